@@ -1,0 +1,35 @@
+"""Error types of dsparkjax.
+
+Every failure that comes from bad input (a GGUF file, a tensor, a token id, a flag) raises one of these,
+with a message naming the file, the tensor or key, what was expected and what was found.
+"""
+
+from __future__ import annotations
+
+
+class DsparkError(Exception):
+    """Base class of every error dsparkjax raises on purpose."""
+
+
+class GGUFContractError(DsparkError):
+    """A GGUF file breaks the target or drafter contract (metadata, tensors, shapes, types, bytes)."""
+
+    def __init__(self, path: str, what: str, expected: str, found: str):
+        self.path, self.what, self.expected, self.found = str(path), what, expected, found
+        super().__init__(f"{self.path}: {what}: expected {expected}, found {found}")
+
+
+class IncompatibleDrafterError(GGUFContractError):
+    """A drafter GGUF does not fit the target it is loaded against."""
+
+
+class FormatError(DsparkError):
+    """Bytes or values that a weight format cannot encode or decode (bad length, invalid scale byte)."""
+
+
+class TokenIdError(DsparkError):
+    """A token id outside the vocabulary or the hash-routing table."""
+
+
+class UnsupportedTypeError(DsparkError):
+    """A ggml type that this operation does not support."""

@@ -1,0 +1,141 @@
+"""Export parameters to the target and drafter GGUF contracts, with a quant recipe per tensor family.
+
+Parameters are given as `{gguf tensor name: float32 array in numpy (PyTorch) shape}` (int32 for
+`tid2eid`). A recipe maps each tensor family of `contract.FAMILY_TYPES` to a ggml type:
+- `f32`: everything float32 (tests, exact references);
+- `published`: the antirez/ds4 IQ2XXS-w2Q2K-AProjQ8-SExpQ8-OutQ8 layout (routed gate/up IQ2_XXS, down Q2_K;
+  attention, shared experts, output Q8_0; embeddings, HC, compressor, indexer, router F16; norms, sinks,
+  biases F32; tid2eid I32), applied to the drafter likewise;
+- `rocmfpx`: lucebox-style — target routed gate/up ROCmFP2, down ROCmFP3, dense as `published`; drafter
+  routed experts ROCmFP4_FAST with dense F16 ("Q4RMFP4-denseF16").
+Unknown ids such as the lucebox types are written as raw bytes with an explicit type id, which gguf-py
+supports through `raw_shape`/`raw_dtype` (`quant_hc.md` §5.2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+from gguf import GGUFValueType, GGUFWriter
+
+from dsparkjax import formats
+from dsparkjax.config import DRAFTER_ARCH, TARGET_ARCH, DrafterConfig, TargetConfig, metadata_items
+from dsparkjax.errors import DsparkError, FormatError
+from dsparkjax.formats import GGMLType as T
+from dsparkjax.ggufio.contract import TensorSpec, drafter_tensor_specs, target_tensor_specs
+
+_PUBLISHED: dict[str, int] = {
+    "embedding": T.F16, "output": T.Q8_0, "attention": T.Q8_0, "shared_expert": T.Q8_0,
+    "draft_fc": T.Q8_0, "hc": T.F16, "compressor": T.F16, "indexer": T.F16, "router": T.F16,
+    "markov": T.F16, "confidence": T.F16, "vector": T.F32, "hash_table": T.I32,
+}
+_ROCMFPX_DRAFTER_DENSE = {**_PUBLISHED, "attention": T.F16, "shared_expert": T.F16, "draft_fc": T.F16}
+
+RECIPES = ("f32", "published", "rocmfpx")
+QUANT_RECIPE_KEY = "dsparkjax.quant_recipe"  # informational; the types per family are the truth
+
+
+def recipe_type(recipe: str, spec: TensorSpec, *, drafter: bool) -> int:
+    """The ggml type `recipe` gives to the tensor of `spec`."""
+    if recipe == "f32":
+        return T.I32 if spec.family == "hash_table" else T.F32
+    if recipe == "published":
+        if spec.family == "routed_expert":
+            return T.Q2_K if "ffn_down" in spec.name else T.IQ2_XXS
+        return _PUBLISHED[spec.family]
+    if recipe == "rocmfpx":
+        if spec.family == "routed_expert":
+            if drafter:
+                return T.Q4_0_ROCMFP4_FAST
+            return T.Q3_0_ROCMFPX if "ffn_down" in spec.name else T.Q2_0_ROCMFP2
+        return (_ROCMFPX_DRAFTER_DENSE if drafter else _PUBLISHED)[spec.family]
+    raise DsparkError(f"unknown quant recipe {recipe!r}; expected one of {', '.join(RECIPES)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RawTensor:
+    """A tensor ready to be written: its ggml type, numpy shape and encoded bytes (or int32 values)."""
+
+    name: str
+    ggml_type: int
+    shape: tuple[int, ...]
+    data: np.ndarray  # uint8 bytes for float/quantized types, int32 values for I32
+
+
+def encode(name: str, values: np.ndarray, ggml_type: int) -> RawTensor:
+    """Encode one tensor into `ggml_type`, naming the tensor in any error."""
+    values = np.asarray(values)
+    if ggml_type == T.I32:
+        return RawTensor(name, ggml_type, values.shape, values.astype(np.int32))
+    try:
+        data = formats.quantize(values.astype(np.float32), ggml_type)
+    except DsparkError as err:
+        raise FormatError(f"tensor {name} {values.shape} as {formats.type_name(ggml_type)}: {err}") from None
+    return RawTensor(name, ggml_type, values.shape, data)
+
+
+def write_raw_gguf(path: str | os.PathLike[str], arch: str, metadata: Iterable[tuple[str, Any, GGUFValueType]],
+                   tensors: Sequence[RawTensor], *, extra: Any = None) -> None:
+    """Write a GGUF file from metadata triples and encoded tensors, as they are (no contract checks).
+
+    `extra`, if given, is called with the open GGUFWriter to add more metadata (the tokenizer).
+    """
+    writer = GGUFWriter(os.fspath(path), arch)
+    for key, value, gtype in metadata:
+        if key == "general.architecture":
+            continue
+        if isinstance(value, list):
+            writer.add_key_value(key, value, GGUFValueType.ARRAY, sub_type=gtype)
+        else:
+            writer.add_key_value(key, value, gtype)
+    if extra is not None:
+        extra(writer)
+    for t in tensors:
+        if t.ggml_type in (T.F32, T.I32):
+            writer.add_tensor(t.name, t.data.view(np.float32 if t.ggml_type == T.F32 else np.int32)
+                              .reshape(t.shape))
+        else:
+            writer.add_tensor(t.name, t.data.view(np.int8), raw_shape=t.shape, raw_dtype=t.ggml_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def write_model_gguf(path: str | os.PathLike[str], cfg: TargetConfig | DrafterConfig,
+                     params: Mapping[str, np.ndarray], *, recipe: str = "f32", tokenizer: Any = None,
+                     name: str | None = None) -> None:
+    """Write a target or drafter GGUF that satisfies its contract.
+
+    Args:
+      cfg: the config; its type picks the contract.
+      params: `{gguf name: array}` for every required tensor of the contract (optional ones may be absent).
+      recipe: one of RECIPES.
+      tokenizer: an object with `write_to(GGUFWriter)` (dsparkjax.tokenizer.Tokenizer), or None.
+    """
+    drafter = isinstance(cfg, DrafterConfig)
+    specs = drafter_tensor_specs(cfg) if drafter else target_tensor_specs(cfg)
+    known = {s.name for s in specs}
+    unknown = sorted(set(params) - known)
+    if unknown:
+        raise DsparkError(f"{path}: parameters not in the {'drafter' if drafter else 'target'} contract: "
+                          f"{', '.join(unknown[:5])}")
+    tensors = []
+    for spec in specs:
+        if spec.name not in params:
+            if spec.required:
+                raise DsparkError(f"{path}: missing parameter {spec.name} {spec.shape}")
+            continue
+        values = np.asarray(params[spec.name])
+        if values.shape != spec.shape:
+            raise DsparkError(f"{path}: parameter {spec.name} has shape {values.shape}, expected {spec.shape}")
+        tensors.append(encode(spec.name, values, recipe_type(recipe, spec, drafter=drafter)))
+    meta = list(metadata_items(cfg))
+    meta.append(("general.name", name or ("dsparkjax drafter" if drafter else "dsparkjax target"),
+                 GGUFValueType.STRING))
+    meta.append((QUANT_RECIPE_KEY, recipe, GGUFValueType.STRING))
+    write_raw_gguf(path, DRAFTER_ARCH if drafter else TARGET_ARCH, meta, tensors,
+                   extra=tokenizer.write_to if tokenizer is not None else None)
