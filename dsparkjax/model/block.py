@@ -1,0 +1,117 @@
+"""The pieces of a DS4 block shared by the target layers and the DSpark drafter stages.
+
+A block is HC-pre → attention → HC-post → HC-pre → MoE → HC-post on the n HC streams (`ds4_arch.md` §3.1);
+the attention differs between the target (window ring + compressed entries) and the drafter (context rows +
+the bidirectional block), so `block_forward` takes it as a function. Configs are duck-typed: both
+TargetConfig and DrafterConfig have the fields used here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, TypeVar
+
+import jax
+import jax.numpy as jnp
+
+from dsparkjax.model.hc import hc_post, hc_pre
+from dsparkjax.model.layers import apply_rope, fp8_kv_sim, grouped_output, rms_norm, sink_attention, swiglu
+from dsparkjax.model.params import Attention, Block, MoE
+from dsparkjax.model.weights import expert_linear, linear
+
+Aux = TypeVar("Aux")
+
+
+def query_heads(at: Attention, x: jax.Array, positions: jax.Array, freqs: Any, cfg: Any
+                ) -> tuple[jax.Array, jax.Array]:
+    """Low-rank queries: `qr = RMSNorm(x·wq_aᵀ)`, heads = per-head unweighted RMSNorm of `qr·wq_bᵀ`, roped.
+
+    Args:
+      x: `[B, Q, D]` normalised input; positions: int32 `[B, Q]`.
+    Returns:
+      (qr float32 `[B, Q, r_q]` (the indexer reads it too), heads float32 `[B, Q, H, d]`).
+    """
+    b, q = positions.shape
+    qr = rms_norm(linear(x, at.wq_a), at.q_norm, cfg.rms_norm_eps)
+    heads = linear(qr, at.wq_b).reshape(b, q, cfg.num_heads, cfg.head_dim)
+    return qr, apply_rope(rms_norm(heads, None, cfg.rms_norm_eps), positions[..., None], freqs)
+
+
+def kv_sim(kv: jax.Array, nope_dim: int, simulate_qat: bool) -> jax.Array:
+    """The official model's FP8 rounding of the non-RoPE dims of stored kv rows (`ds4_arch.md` §6.2)."""
+    if not simulate_qat:
+        return kv
+    return jnp.concatenate([fp8_kv_sim(kv[..., :nope_dim]), kv[..., nope_dim:]], axis=-1)
+
+
+def kv_rows(at: Attention, x: jax.Array, positions: jax.Array, freqs: Any, cfg: Any, simulate_qat: bool
+            ) -> jax.Array:
+    """The single shared K=V head: `RMSNorm(x·wkvᵀ)`, roped at `positions`, FP8-simulated. `[..., d]` float32."""
+    kv = apply_rope(rms_norm(linear(x, at.wkv), at.kv_norm, cfg.rms_norm_eps), positions, freqs)
+    return kv_sim(kv, cfg.nope_dim, simulate_qat)
+
+
+def attention_output(at: Attention, out: jax.Array, positions: jax.Array, freqs: Any, cfg: Any) -> jax.Array:
+    """Inverse RoPE at the query positions (K = V carried RoPE into the values), then the grouped projection.
+
+    Args:
+      out: float32 `[B, Q, H, d]` attention output. Returns float32 `[B, Q, D]`.
+    """
+    out = apply_rope(out, positions[..., None], freqs, inverse=True)
+    return grouped_output(out, at.wo_a, at.wo_b, cfg.o_groups)
+
+
+def block_forward(blk: Block, streams: jax.Array, cfg: Any,
+                  attention: Callable[[jax.Array], tuple[jax.Array, Aux]],
+                  ffn: Callable[[jax.Array], jax.Array]) -> tuple[jax.Array, Aux]:
+    """One block on the HC streams `[B, Q, n, D]`; `attention(x)` returns (output, aux), `ffn(x)` the output.
+
+    Returns (new streams float32 `[B, Q, n, D]`, the attention's aux value, e.g. its updated cache).
+    """
+    hc = dict(iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
+    u, post, comb = hc_pre(streams, blk.hc_attn.fn, blk.hc_attn.base, blk.hc_attn.scale, **hc)
+    attn_out, aux = attention(rms_norm(u, blk.attn.norm, cfg.rms_norm_eps))
+    streams = hc_post(attn_out, streams, post, comb)
+    u, post, comb = hc_pre(streams, blk.hc_ffn.fn, blk.hc_ffn.base, blk.hc_ffn.scale, **hc)
+    ffn_out = ffn(rms_norm(u, blk.moe.norm, cfg.rms_norm_eps))
+    return hc_post(ffn_out, streams, post, comb), aux
+
+
+def attend(heads: jax.Array, key_sets: list[tuple[jax.Array, jax.Array]], sinks: jax.Array | None, scale: float
+           ) -> jax.Array:
+    """One sink softmax over several key sets (K = V), e.g. window rows + compressed entries.
+
+    Args:
+      heads: float32 `[B, Q, H, d]` queries; key_sets: (keys `[B, K, d]` shared by every row or `[B, Q, K, d]`
+        per row, valid bool `[B, Q, K]`); sinks: `[H]` or None.
+    Returns:
+      float32 `[B, Q, H, d]`.
+    """
+    hi = jax.lax.Precision.HIGHEST
+    shared = "bqhd,bkd->bqhk", "bqhk,bkd->bqhd"
+    per_row = "bqhd,bqkd->bqhk", "bqhk,bqkd->bqhd"
+    specs = [shared if keys.ndim == 3 else per_row for keys, _ in key_sets]
+    scores = [jnp.einsum(spec[0], heads, keys, precision=hi) * scale for spec, (keys, _) in zip(specs, key_sets)]
+    valid = jnp.concatenate([v[:, :, None, :] for _, v in key_sets], axis=-1)
+    probs = sink_attention(jnp.concatenate(scores, axis=-1), sinks, valid)
+    out, start = None, 0
+    for spec, (keys, _) in zip(specs, key_sets):
+        width = keys.shape[-2]
+        part = jnp.einsum(spec[1], probs[..., start : start + width], keys, precision=hi)
+        out, start = part if out is None else out + part, start + width
+    return out
+
+
+def moe_output(mo: MoE, x: jax.Array, ids: jax.Array, weights: jax.Array, limit: float, shared_limit: float
+               ) -> jax.Array:
+    """Weighted sum of the selected experts' clamped SwiGLU outputs plus the shared expert.
+
+    Args:
+      x: `[..., D]`; ids: int32 `[..., k]`; weights: float32 `[..., k]`.
+    Returns:
+      float32 `[..., D]`.
+    """
+    hidden = swiglu(expert_linear(x, mo.gate, ids), expert_linear(x, mo.up, ids), limit)
+    routed = jnp.einsum("...k,...kd->...d", weights, expert_linear(hidden, mo.down, ids),
+                        precision=jax.lax.Precision.HIGHEST)
+    shared_hidden = swiglu(linear(x, mo.shared_gate), linear(x, mo.shared_up), shared_limit)
+    return routed + linear(shared_hidden, mo.shared_down)

@@ -1,0 +1,207 @@
+"""The DS4 target forward as one step over q new tokens per sequence (`ds4_arch.md` §3, §4.4).
+
+`step(params, state, tokens)` runs rows at positions `length .. length+q-1` of every sequence through all
+layers, writes their rows into the state (write-then-read, so chunked == token-by-token), and returns the
+logits of every row, the captured features for the drafter and the new state (length not advanced; see
+`state.py`). Plain decode, verification and prefill chunks are all this one function, jitted once per q.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+from dsparkjax.config import CSA_RATIO, TargetConfig, yarn_ramp
+from dsparkjax.model.block import (
+    attend,
+    attention_output,
+    block_forward,
+    kv_rows,
+    kv_sim,
+    moe_output,
+    query_heads,
+)
+from dsparkjax.model.hc import hc_head
+from dsparkjax.model.layers import apply_rope, fp4_indexer_sim, rms_norm, rope_frequencies, route
+from dsparkjax.model.params import Block, Compressor, Indexer, MoE, TargetParams
+from dsparkjax.model.state import DecodeState, LayerCache, window_slot_positions
+from dsparkjax.model.weights import linear
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOptions:
+    """Static switches of the target step (part of the jit cache key)."""
+
+    simulate_qat: bool = True  # FP8 KV and FP4+Hadamard indexer rounding of the official model (§6.2)
+    capture_layers: tuple[int, ...] = ()  # layers whose HC streams feed the drafter
+    capture_point: Literal["after", "entering"] = "after"  # V4-Flash: after (dspark_reference.md §1)
+
+
+def _batch_index(x: jax.Array) -> jax.Array:
+    return jnp.arange(x.shape[0])[:, None]
+
+
+def ring_write(ring: jax.Array, rows: jax.Array, positions: jax.Array) -> jax.Array:
+    """Write `rows` `[B, Q, ...]` at slots `positions % R` of `ring` `[B, R, ...]`."""
+    return ring.at[_batch_index(positions), positions % ring.shape[1]].set(rows.astype(ring.dtype))
+
+
+def ring_read(ring: jax.Array, positions: jax.Array) -> jax.Array:
+    """Rows of `ring` `[B, R, ...]` for positions `[B, Q, S]` -> `[B, Q, S, ...]`."""
+    return ring[jnp.arange(ring.shape[0])[:, None, None], positions % ring.shape[1]]
+
+
+def compress(cp: Compressor, x: jax.Array, positions: jax.Array, ring: jax.Array, ratio: int, overlap: bool,
+             eps: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Gated per-channel pooling of windows of `ratio` tokens (`ds4_arch.md` §3.4), for every row.
+
+    Writes each row's projections `(a, s + ape[p mod m])` into the projection ring, then, for every row,
+    pools the window that ends at it: HCA (no overlap) over positions p−m+1..p; CSA (overlap) over 2m slots,
+    the first-half channels of the previous window and the second-half channels of the current one, with
+    missing slots (before position 0) at −inf. Only rows at a boundary ((p+1) mod m == 0) emit; the caller
+    keeps those.
+
+    Args:
+      x: `[B, Q, D]` normalised attention input; positions: int32 `[B, Q]`; ring: `[B, R, 2, c·w]`.
+    Returns:
+      (new ring, pooled and RMS-normalised entries float32 `[B, Q, w]`, entry index int32 `[B, Q]` which is
+      `(p+1)/m − 1` at boundaries and −1 elsewhere).
+    """
+    values = linear(x, cp.wkv)
+    scores = linear(x, cp.wgate) + cp.ape[positions % ratio]
+    ring = ring_write(ring, jnp.stack([values, scores], axis=2), positions)
+    span = 2 * ratio if overlap else ratio
+    window_pos = positions[..., None] + jnp.arange(1 - span, 1)  # [B, Q, span]
+    rows = ring_read(ring, window_pos)  # [B, Q, span, 2, c·w]
+    if overlap:
+        width = rows.shape[-1] // 2
+        rows = jnp.concatenate([rows[:, :, :ratio, :, :width], rows[:, :, ratio:, :, width:]], axis=2)
+    values, scores = rows[..., 0, :], rows[..., 1, :]
+    scores = jnp.where(window_pos[..., None] >= 0, scores, -jnp.inf)
+    pooled = jnp.sum(jax.nn.softmax(scores, axis=2) * values, axis=2)
+    boundary = (positions + 1) % ratio == 0
+    index = jnp.where(boundary, (positions + 1) // ratio - 1, -1)
+    return ring, rms_norm(pooled, cp.norm, eps), index
+
+
+def store_entries(cache: jax.Array, entries: jax.Array, index: jax.Array) -> jax.Array:
+    """Write `entries` `[B, Q, w]` at rows `index` `[B, Q]` of `cache` `[B, N, w]`; index −1 or >= N is dropped."""
+    index = jnp.where(index < 0, cache.shape[1], index)
+    return cache.at[_batch_index(index), index].set(entries.astype(cache.dtype), mode="drop")
+
+
+class TargetModel:
+    """Static pieces of the target forward (config, options, RoPE tables); methods are pure functions."""
+
+    def __init__(self, cfg: TargetConfig, options: StepOptions):
+        self.cfg, self.options = cfg, options
+        self.swa_freqs = rope_frequencies(cfg.rope_dim, cfg.rope_theta)
+        lo, hi = yarn_ramp(cfg)
+        self.compressed_freqs = rope_frequencies(cfg.rope_dim, cfg.compress_rope_theta, (cfg.yarn_factor, lo, hi))
+
+    # -- attention ----------------------------------------------------------------------------------------
+
+    def _indexer_select(self, ix: Indexer, x: jax.Array, qr: jax.Array, positions: jax.Array, cache: LayerCache,
+                        freqs) -> tuple[LayerCache, jax.Array, jax.Array]:
+        """Lightning Indexer (§3.5): update its keys, score visible compressed entries, pick the top-k.
+
+        Returns (cache, selected entry ids int32 `[B, Q, k]`, whether each pick is a real candidate `[B, Q, k]`).
+        """
+        cfg = self.cfg
+        b, q = positions.shape
+        iq = linear(qr, ix.wq_b).reshape(b, q, cfg.index_heads, cfg.index_head_dim)
+        iq = apply_rope(iq, positions[..., None], freqs)
+        ring, keys, index = compress(ix.compressor, x, positions, cache.index_proj, CSA_RATIO, True,
+                                     cfg.rms_norm_eps)
+        keys = apply_rope(keys, jnp.maximum(index, 0) * CSA_RATIO, freqs)
+        if self.options.simulate_qat:
+            iq, keys = fp4_indexer_sim(iq), fp4_indexer_sim(keys)
+        index_keys = store_entries(cache.index_keys, keys, index)
+        head_weights = linear(x, ix.weights_proj) * (cfg.index_head_dim * cfg.index_heads) ** -0.5
+        dots = jnp.einsum("bqhd,bnd->bqhn", iq, index_keys, precision=jax.lax.Precision.HIGHEST)
+        scores = jnp.einsum("bqh,bqhn->bqn", head_weights, jax.nn.relu(dots), precision=jax.lax.Precision.HIGHEST)
+        visible = jnp.arange(index_keys.shape[1]) < ((positions + 1) // CSA_RATIO)[..., None]
+        k = min(cfg.index_topk, index_keys.shape[1])
+        _, picks = jax.lax.top_k(jnp.where(visible, scores, -jnp.inf), k)  # ties -> lowest index (§6.3 item 4)
+        real = jnp.take_along_axis(visible, picks, axis=-1)
+        return cache.replace(index_proj=ring, index_keys=index_keys), picks, real
+
+    def attention(self, layer: int, blk: Block, x: jax.Array, positions: jax.Array, cache: LayerCache
+                  ) -> tuple[jax.Array, LayerCache]:
+        """MLA with a shared K=V head over the window ring plus compressed entries, with sinks (§3.3)."""
+        cfg, at = self.cfg, blk.attn
+        kind = cfg.layer_type(layer)
+        freqs = self.swa_freqs if kind == "swa" else self.compressed_freqs
+        qr, heads = query_heads(at, x, positions, freqs, cfg)
+        kv = kv_rows(at, x, positions, freqs, cfg, self.options.simulate_qat)
+        window = ring_write(cache.window, kv, positions)
+        cache = cache.replace(window=window)
+
+        slot_pos = window_slot_positions(positions[:, -1], window.shape[1])[:, None, :]  # [B, 1, R]
+        p = positions[..., None]
+        in_window = (slot_pos <= p) & (slot_pos > p - cfg.sliding_window) & (slot_pos >= 0)
+        key_sets = [(window.astype(jnp.float32), in_window)]  # keys [B, K, d] shared by all rows, or [B, Q, K, d]
+        if kind != "swa":
+            m = cfg.compress_ratios[layer]
+            ring, entries, index = compress(blk.compressor, x, positions, cache.comp_proj, m, kind == "csa",
+                                            cfg.rms_norm_eps)
+            entries = kv_sim(apply_rope(entries, jnp.maximum(index, 0) * m, freqs), cfg.nope_dim,
+                             self.options.simulate_qat)
+            comp_kv = store_entries(cache.comp_kv, entries, index)
+            cache = cache.replace(comp_proj=ring, comp_kv=comp_kv)
+            if kind == "hca":
+                visible = jnp.arange(comp_kv.shape[1]) < ((positions + 1) // m)[..., None]
+                key_sets.append((comp_kv.astype(jnp.float32), visible))
+            else:
+                cache, picks, real = self._indexer_select(blk.indexer, x, qr, positions, cache, freqs)
+                picked = comp_kv[_batch_index(picks)[..., None], picks]  # [B, Q, k, d]
+                key_sets.append((picked.astype(jnp.float32), real))
+        return attention_output(at, attend(heads, key_sets, at.sinks, cfg.head_dim ** -0.5), positions, freqs,
+                                cfg), cache
+
+    # -- MoE and block ------------------------------------------------------------------------------------
+
+    def moe(self, layer: int, mo: MoE, x: jax.Array, tokens: jax.Array) -> jax.Array:
+        """Routed top-k experts (or hash-routed) plus the shared expert, clamped SwiGLU (§3.6)."""
+        cfg = self.cfg
+        hashed = None if mo.tid2eid is None else mo.tid2eid[tokens]
+        ids, weights = route(x, mo.router, mo.bias, hashed, cfg.n_active_experts, cfg.routed_scaling_factor)
+        return moe_output(mo, x, ids, weights, cfg.swiglu_limit[layer], cfg.swiglu_limit_shared[layer])
+
+    def block(self, layer: int, blk: Block, streams: jax.Array, tokens: jax.Array, positions: jax.Array,
+              cache: LayerCache) -> tuple[jax.Array, LayerCache]:
+        """One layer on the HC streams `[B, Q, n, D]`."""
+        return block_forward(blk, streams, self.cfg,
+                             lambda x: self.attention(layer, blk, x, positions, cache),
+                             lambda x: self.moe(layer, blk.moe, x, tokens))
+
+    def step(self, params: TargetParams, state: DecodeState, tokens: jax.Array
+             ) -> tuple[jax.Array, jax.Array, DecodeState]:
+        """Process `tokens` int32 `[B, Q]` at positions `state.length + 0..Q-1`.
+
+        Returns:
+          (logits float32 `[B, Q, V]`, features float32 `[B, Q, n_capture, D]` (mean over HC streams of the
+          capture layers), new state with the rows written and `length` unchanged).
+        """
+        cfg, opts = self.cfg, self.options
+        positions = state.length[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
+        embedded = params.embed[tokens].astype(jnp.float32)
+        streams = jnp.broadcast_to(embedded[:, :, None, :], embedded.shape[:2] + (cfg.hc_mult, cfg.hidden_size))
+        captured: dict[int, jax.Array] = {}
+        caches = []
+        for layer, (blk, cache) in enumerate(zip(params.blocks, state.layers)):
+            if opts.capture_point == "entering" and layer in opts.capture_layers:
+                captured[layer] = jnp.mean(streams, axis=2)
+            streams, cache = self.block(layer, blk, streams, tokens, positions, cache)
+            caches.append(cache)
+            if opts.capture_point == "after" and layer in opts.capture_layers:
+                captured[layer] = jnp.mean(streams, axis=2)
+        collapsed = hc_head(streams, params.hc_head.fn, params.hc_head.base, params.hc_head.scale,
+                            hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
+        logits = linear(rms_norm(collapsed, params.norm, cfg.rms_norm_eps), params.head)
+        features = (jnp.stack([captured[i] for i in opts.capture_layers], axis=2) if captured
+                    else jnp.zeros(tokens.shape + (0, cfg.hidden_size), jnp.float32))
+        return logits, features, state.replace(layers=tuple(caches))

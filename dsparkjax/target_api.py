@@ -1,0 +1,103 @@
+"""Public entry points for the target: load a GGUF, run full-sequence forwards, get compiled steps.
+
+`load_target` opens and checks a target GGUF and loads its weights; `forward` runs a batch of sequences from
+position 0 through the same step machinery decoding uses, in chunks; `compiled_step` returns the jitted
+step for a config and options (one XLA program per step width q, compiled on first use and reused).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from dsparkjax.aot import AotFunction
+from dsparkjax.config import TargetConfig
+from dsparkjax.errors import DsparkError, TokenIdError
+from dsparkjax.ggufio.contract import open_target
+from dsparkjax.model.params import TargetParams, load_target_params
+from dsparkjax.model.state import commit, init_state
+from dsparkjax.model.target import StepOptions, TargetModel
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A loaded target model: its file, config, weights and numeric switches."""
+
+    path: str
+    config: TargetConfig
+    params: TargetParams
+    dtype: Any
+    simulate_qat: bool
+    tokenizer: Any  # dsparkjax.tokenizer.Tokenizer, or None when the file has no tokenizer
+
+    def options(self, capture_layers: tuple[int, ...] = ()) -> StepOptions:
+        return StepOptions(simulate_qat=self.simulate_qat, capture_layers=capture_layers)
+
+    def check_tokens(self, tokens: np.ndarray, what: str = "token ids") -> None:
+        """Reject ids outside the vocabulary (and so outside the hash-routing tables) before anything runs."""
+        tokens = np.asarray(tokens)
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= self.config.vocab_size):
+            bad = tokens[(tokens < 0) | (tokens >= self.config.vocab_size)]
+            raise TokenIdError(f"{what}: id {int(bad.flat[0])} is outside the vocabulary and hash tables "
+                               f"[0, {self.config.vocab_size}) of {self.path}")
+
+
+def load_target(path: str, *, dtype: str = "float32", simulate_qat: bool = True, progress: bool = False) -> Target:
+    """Open a `deepseek4` GGUF, check its contract, and load its weights in `dtype` ("float32" or "bfloat16")."""
+    if dtype not in DTYPES:
+        raise DsparkError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    file, cfg = open_target(path)
+    wrap = iter
+    if progress:
+        from tqdm import tqdm
+
+        wrap = functools.partial(tqdm, desc=f"loading {path}", unit="layer")
+    params = load_target_params(file, cfg, DTYPES[dtype], wrap)
+    tokenizer = None
+    if "tokenizer.ggml.model" in file.metadata:
+        from dsparkjax.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer.from_metadata(file.metadata, file.path)
+    return Target(file.path, cfg, params, DTYPES[dtype], simulate_qat, tokenizer)
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_step(cfg: TargetConfig, options: StepOptions) -> AotFunction:
+    """The target step for (config, options): `step(params, state, tokens)`, one executable per width.
+
+    The state argument is donated: its buffers are reused for the new state.
+    """
+    return AotFunction(TargetModel(cfg, options).step, donate_argnums=(1,))
+
+
+def forward(target: Target, token_ids: Any, *, chunk: int = 16) -> np.ndarray:
+    """Full-sequence forward from position 0.
+
+    Args:
+      token_ids: int `[B, T]`.
+      chunk: tokens per step (the same step function decoding uses).
+    Returns:
+      float32 numpy `[B, T, V]` logits.
+    """
+    tokens = np.asarray(token_ids, dtype=np.int64)
+    if tokens.ndim != 2:
+        raise DsparkError(f"token_ids must be [batch, length], got shape {tokens.shape}")
+    target.check_tokens(tokens)
+    batch, length = tokens.shape
+    chunk = max(1, min(chunk, length))
+    padded = -(-length // chunk) * chunk
+    tokens = np.pad(tokens, ((0, 0), (0, padded - length))).astype(np.int32)
+    step = compiled_step(target.config, target.options())
+    state = init_state(target.config, batch, padded, chunk, target.dtype)
+    logits = []
+    for start in range(0, padded, chunk):
+        out, _, state = step(target.params, state, jnp.asarray(tokens[:, start : start + chunk]))
+        state = commit(state, jnp.full((batch,), chunk, jnp.int32))
+        logits.append(out)
+    return np.asarray(jnp.concatenate(logits, axis=1))[:, :length]
