@@ -1,1 +1,10 @@
-"""dsparkjax: DeepSeek-V4-Flash inference with exact DSpark speculative decoding in JAX."""
+"""dsparkjax: DeepSeek-V4-Flash inference with exact DSpark speculative decoding in JAX.
+
+Public API: `load_target`, `forward`, `load_drafter`, `generate` (and the `Result` they return).
+"""
+
+from dsparkjax.spec.generate import Result, generate
+from dsparkjax.spec.proposer import Drafter, load_drafter
+from dsparkjax.target_api import Target, forward, load_target
+
+__all__ = ["Drafter", "Result", "Target", "forward", "generate", "load_drafter", "load_target"]

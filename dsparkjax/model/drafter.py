@@ -1,0 +1,148 @@
+"""The DSpark drafter: three V4 blocks over a `[seed, MASK×4]` block conditioned on target features.
+
+Per `dspark.md` §1.3 and DeepSeek's own code (`dspark_reference.md`):
+- context: the captured target features of committed positions p (mean over HC streams after the capture
+  layers, concatenated) go through `main_x = RMSNorm(main_proj(features))`, and each stage projects
+  `main_x` with its own `wkv`/`kv_norm` into context kv rows, roped at p (base 10000, no YaRN). They are
+  kept in a per-stage ring tagged with positions, so only accepted positions are ever visible;
+- proposal: the block `[seed, MASK, …]` at positions seed_pos + j, embedded with the target's table,
+  runs through the stages (attention over the ≤ window context rows before seed_pos plus all block rows,
+  bidirectional, with sinks; a top-k MoE without hash routing), the sigmoid HC head, the drafter's own norm
+  and the target's LM head; the Markov head adds `W2·W1[prev]` to each row's logits left to right, and the
+  confidence head reads the pre-norm hidden and `W1[prev]`. One jitted call, no host round trip per token.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from dsparkjax.config import DrafterConfig
+from dsparkjax.model.block import attend, attention_output, block_forward, kv_rows, moe_output, query_heads
+from dsparkjax.model.hc import hc_head
+from dsparkjax.model.layers import rms_norm, rope_frequencies, route
+from dsparkjax.model.params import Block, DrafterParams
+from dsparkjax.model.weights import linear
+
+
+@struct.dataclass
+class DrafterState:
+    """Context kv rows of every stage, in rings tagged with the position each slot holds."""
+
+    context_kv: tuple[jax.Array, ...]  # per stage [B, R, d] (cache dtype)
+    context_pos: jax.Array  # int32 [B, R], −1 = empty
+
+
+def init_drafter_state(cfg: DrafterConfig, batch: int, max_step: int, dtype: jnp.dtype) -> DrafterState:
+    """Empty context rings sized window + widest absorbed step, so rejected rows never evict visible ones."""
+    ring = cfg.sliding_window + max_step
+    kv = tuple(jnp.zeros((batch, ring, cfg.head_dim), dtype) for _ in range(cfg.num_stages))
+    return DrafterState(kv, jnp.full((batch, ring), -1, jnp.int32))
+
+
+class DrafterModel:
+    """Static pieces of the drafter (config, options, RoPE table); methods are pure functions."""
+
+    def __init__(self, cfg: DrafterConfig, simulate_qat: bool):
+        self.cfg, self.simulate_qat = cfg, simulate_qat
+        self.freqs = rope_frequencies(cfg.rope_dim, cfg.rope_theta)
+
+    def absorb(self, params: DrafterParams, state: DrafterState, features: jax.Array, positions: jax.Array
+               ) -> DrafterState:
+        """Project target features of positions `[B, C]` into every stage's context ring.
+
+        Args:
+          features: float32 `[B, C, n_capture, D]` from the target step. Rows of positions that will not be
+            committed may be absorbed too: their tags are >= the committed length, so they stay invisible
+            until the same position is absorbed again.
+        """
+        b, c = positions.shape
+        main_x = rms_norm(linear(features.reshape(b, c, -1), params.fc), params.hidden_norm, self.cfg.rms_norm_eps)
+        slots = positions % state.context_pos.shape[1]
+        rows = jnp.arange(b)[:, None]
+        kv = tuple(
+            ring.at[rows, slots].set(kv_rows(stage.attn, main_x, positions, self.freqs, self.cfg,
+                                             self.simulate_qat).astype(ring.dtype))
+            for stage, ring in zip(params.stages, state.context_kv))
+        return DrafterState(kv, state.context_pos.at[rows, slots].set(positions))
+
+    def _stage(self, stage: Block, streams: jax.Array, positions: jax.Array, context: jax.Array,
+               context_valid: jax.Array) -> jax.Array:
+        cfg = self.cfg
+
+        def attention(x: jax.Array) -> tuple[jax.Array, None]:
+            _, heads = query_heads(stage.attn, x, positions, self.freqs, cfg)
+            block_kv = kv_rows(stage.attn, x, positions, self.freqs, cfg, self.simulate_qat)
+            block_kv = block_kv.astype(context.dtype).astype(jnp.float32)
+            all_rows = jnp.ones(positions.shape + positions.shape[1:], bool)
+            key_sets = [(context.astype(jnp.float32), context_valid), (block_kv, all_rows)]
+            out = attend(heads, key_sets, stage.attn.sinks, cfg.head_dim ** -0.5)
+            return attention_output(stage.attn, out, positions, self.freqs, cfg), None
+
+        def ffn(x: jax.Array) -> jax.Array:
+            ids, weights = route(x, stage.moe.router, stage.moe.bias, None, cfg.n_active_experts,
+                                 cfg.routed_scaling_factor)
+            return moe_output(stage.moe, x, ids, weights, cfg.swiglu_limit, cfg.swiglu_limit)
+
+        streams, _ = block_forward(stage, streams, cfg, attention, ffn)
+        return streams
+
+    def propose(self, params: DrafterParams, embed: jax.Array, head: jax.Array, state: DrafterState,
+                seeds: jax.Array, seed_pos: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Draft `block_size` candidates after each seed.
+
+        Args:
+          embed, head: the target's token embedding and LM head `[V, D]` (tied with the drafter).
+          seeds: int32 `[B]`, the last emitted token, not yet in the target cache; seed_pos: int32 `[B]`, its
+            position (the committed length).
+        Returns:
+          (candidates int32 `[B, block_size]` (candidate i predicts position seed_pos + i + 1),
+           confidences float32 `[B, block_size]` = sigmoid of the confidence head (ones if it has none)).
+        """
+        hidden = self.block_hidden(params, embed, state, seeds, seed_pos)
+        logits = linear(rms_norm(hidden, params.norm, self.cfg.rms_norm_eps), head)  # [B, W, V]
+        return self._markov_chain(params, hidden, logits, seeds)
+
+    def block_hidden(self, params: DrafterParams, embed: jax.Array, state: DrafterState, seeds: jax.Array,
+                     seed_pos: jax.Array) -> jax.Array:
+        """The HC-head output of the block rows before the final norm, float32 `[B, block_size, D]`.
+
+        This pre-norm hidden is what the confidence head reads (lucebox fix 27b93d1a; dspark.md §6 item 8).
+        """
+        cfg = self.cfg
+        b, width = seeds.shape[0], cfg.block_size
+        block = jnp.concatenate([seeds[:, None], jnp.full((b, width - 1), cfg.mask_token_id, jnp.int32)], 1)
+        positions = seed_pos[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
+        ctx_pos = state.context_pos[:, None, :]  # [B, 1, R]
+        context_valid = jnp.broadcast_to(
+            (ctx_pos >= 0) & (ctx_pos < seed_pos[:, None, None]) & (ctx_pos >= seed_pos[:, None, None] - cfg.sliding_window),
+            (b, width, ctx_pos.shape[-1]))
+        embedded = embed[block].astype(jnp.float32)
+        streams = jnp.broadcast_to(embedded[:, :, None, :], (b, width, cfg.hc_mult, cfg.hidden_size))
+        for stage, context in zip(params.stages, state.context_kv):
+            streams = self._stage(stage, streams, positions, context, context_valid)
+        return hc_head(streams, params.hc_head.fn, params.hc_head.base, params.hc_head.scale,
+                       hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
+
+    def _markov_chain(self, params: DrafterParams, hidden: jax.Array, logits: jax.Array, seeds: jax.Array
+                      ) -> tuple[jax.Array, jax.Array]:
+        """Greedy left-to-right choice with the Markov bias, and each choice's confidence."""
+        prev, candidates, confidences = seeds, [], []
+        for i in range(self.cfg.block_size):
+            prev_embed = params.markov_w1[prev].astype(jnp.float32)  # [B, r]
+            row = logits[:, i] + linear(prev_embed, params.markov_w2)
+            if params.confidence_w is None:
+                confidences.append(jnp.ones(seeds.shape, jnp.float32))
+            else:
+                features = hidden[:, i]
+                if params.confidence_w.shape[0] != features.shape[-1]:
+                    features = jnp.concatenate([features, prev_embed], axis=-1)
+                score = jnp.einsum("bk,k->b", features, params.confidence_w.astype(jnp.float32),
+                                   precision=jax.lax.Precision.HIGHEST)
+                if params.confidence_b is not None:
+                    score = score + params.confidence_b
+                confidences.append(jax.nn.sigmoid(score))
+            prev = jnp.argmax(row, axis=-1).astype(jnp.int32)
+            candidates.append(prev)
+        return jnp.stack(candidates, axis=1), jnp.stack(confidences, axis=1)

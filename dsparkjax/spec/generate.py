@@ -1,0 +1,271 @@
+"""Batched greedy generation: plain (AR) or speculative with a proposer, exact or fast verification.
+
+One loop serves both modes. Each step feeds `[seed, c_1 .. c_{w-1}]` per sequence through one jitted target
+step, takes the greedy argmax of every row on the device, accepts the longest prefix of candidates that
+match it, commits seed + accepted rows (rolling back the rest by not committing them), hands the verified
+rows' features to the proposer, and emits the accepted candidates plus the bonus token (the target's own
+next token, which becomes the next seed). Plain decoding is the same step with no candidates.
+
+Verification modes (`exactness.md`):
+- "exact": every step, decode and verify alike, runs the one program of width 1 + block_size, with padding
+  rows where there are fewer candidates. XLA computes a row of a fixed-shape program independently of its
+  index and of the other rows, so speculative output equals plain greedy output bit for bit; a width-q
+  program would not (XLA changes reduction order with the row count).
+- "fast": a program per width q (plain decoding uses q = 1); cheaper, and may differ on near-tied logits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sys
+import time
+from typing import Callable, Literal, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsparkjax.errors import DsparkError, TokenIdError
+from dsparkjax.model.state import commit, init_state
+from dsparkjax.model.target import StepOptions
+from dsparkjax.spec.proposer import Proposer
+from dsparkjax.spec.width import WidthPolicy, accepted_candidates
+from dsparkjax.target_api import Target, compiled_step
+
+DEFAULT_BLOCK = 5  # DSpark proposes 5 candidates; exact mode without a drafter uses the same program width
+OnToken = Callable[[int, int], "bool | None"]  # (sequence index, token id) -> False to cancel the sequence
+
+
+@dataclasses.dataclass
+class Result:
+    """One sequence's generation."""
+
+    token_ids: list[int]
+    matched: int = 0  # candidates accepted
+    offered: int = 0  # candidates verified (width − 1 per step)
+    steps: int = 0  # target steps after prefill
+    tok_per_s: float = 0.0
+    stop_reason: str = ""  # "eos" (a stop token), "length" or "cancelled"
+
+    @property
+    def mean_accepted(self) -> float:
+        """Tokens committed per target step (accepted candidates + the bonus token)."""
+        return (self.matched + self.steps) / self.steps if self.steps else 0.0
+
+
+@functools.partial(jax.jit, static_argnames=("policy",))
+def _widths(policy: WidthPolicy, confidences: jax.Array, ewma: jax.Array) -> jax.Array:
+    return policy.choose(confidences, ewma)
+
+
+@jax.jit
+def _outcome(logits: jax.Array, candidates: jax.Array, widths: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(matched int32 `[B]`, bonus int32 `[B]`: the target's greedy token after the accepted prefix,
+    the smallest candidate id that is outside the vocabulary, or −1 if none is)."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    matched = accepted_candidates(candidates, greedy, widths)
+    vocab = logits.shape[-1]
+    bad = (candidates < 0) | (candidates >= vocab)
+    first_bad = jnp.where(jnp.any(bad), jnp.min(jnp.where(bad, candidates, jnp.iinfo(jnp.int32).max),
+                                                 initial=jnp.iinfo(jnp.int32).max), -1)
+    return matched, jnp.take_along_axis(greedy, matched[:, None], axis=1)[:, 0], first_bad
+
+
+@functools.partial(jax.jit, static_argnames=("sample",))
+def _pick(logits: jax.Array, rows: jax.Array, temperature: jax.Array, key: jax.Array, sample: bool) -> jax.Array:
+    """The next token after row `rows[b]` of each sequence: argmax, or a sample at `temperature`."""
+    picked = jnp.take_along_axis(logits, rows[:, None, None], axis=1)[:, 0]
+    if sample:
+        return jax.random.categorical(key, picked / temperature).astype(jnp.int32)
+    return jnp.argmax(picked, axis=-1).astype(jnp.int32)
+
+
+class _Sequence:
+    """Host-side bookkeeping of one sequence: emitted tokens, counters, stopping."""
+
+    def __init__(self, index: int, max_new: int, stop_tokens: frozenset[int], on_token: OnToken | None):
+        self.index, self.max_new, self.stop_tokens, self.on_token = index, max_new, stop_tokens, on_token
+        self.result = Result(token_ids=[])
+        self.done = False
+        self.finished_at = 0.0
+
+    def emit(self, tokens: Sequence[int]) -> int:
+        """Append tokens in order until a stop condition; returns how many were emitted."""
+        count = 0
+        for token in tokens:
+            if self.done:
+                break
+            self.result.token_ids.append(int(token))
+            count += 1
+            if self.on_token is not None and self.on_token(self.index, int(token)) is False:
+                self._stop("cancelled")
+            elif token in self.stop_tokens:
+                self._stop("eos")
+            elif len(self.result.token_ids) >= self.max_new:
+                self._stop("length")
+        return count
+
+    def _stop(self, reason: str) -> None:
+        self.done, self.result.stop_reason, self.finished_at = True, reason, time.perf_counter()
+
+
+def _policy(width: int | str, proposer: Proposer | None, max_q: int) -> WidthPolicy:
+    if isinstance(width, int) or (isinstance(width, str) and width.isdigit()):
+        q = int(width)
+        if not 1 <= q <= max_q:
+            raise DsparkError(f"width must be 'adaptive' or an integer in [1, {max_q}], got {width}")
+        return WidthPolicy("fixed", fixed_q=q, max_q=max_q)
+    if width != "adaptive":
+        raise DsparkError(f"width must be 'adaptive' or an integer in [1, {max_q}], got {width!r}")
+    kind = "confidence" if proposer is not None and proposer.has_confidence else "ewma"
+    return WidthPolicy(kind, max_q=max_q)
+
+
+def generate(
+    target: Target,
+    prompts: Sequence[Sequence[int]],
+    *,
+    drafter: Proposer | None = None,
+    max_new_tokens: int = 64,
+    verify: Literal["exact", "fast"] = "exact",
+    width: int | str = "adaptive",
+    on_token: OnToken | None = None,
+    mode: Literal["spec", "ar"] | None = None,
+    temperature: float = 0.0,
+    prefill_chunk: int = 16,
+    seed: int = 0,
+    stop_tokens: Sequence[int] | None = None,
+    progress: bool = False,
+) -> list[Result]:
+    """Generate up to `max_new_tokens` after each prompt (token ids), batched, greedy.
+
+    Args:
+      drafter: a Proposer (e.g. `load_drafter(...)`); with one, `mode` defaults to "spec", else "ar". An AR
+        run given a drafter still captures its features, so AR and spec run identical target programs.
+      verify: "exact" (one program width for every step; spec output == AR output token for token) or "fast".
+      width: "adaptive" (confidence policy, or EWMA without a confidence head) or a fixed q in 1..block+1.
+      on_token: called with (sequence index, token) for every emitted token; returning False cancels it.
+      temperature: > 0 samples; speculative decoding is greedy-only, so this falls back to plain decoding.
+      stop_tokens: tokens that end a sequence (emitted, then stop); default: the target's eos id.
+    Returns:
+      one Result per prompt, in order.
+    """
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise DsparkError("every prompt needs at least one token")
+    if verify not in ("exact", "fast"):
+        raise DsparkError(f"verify must be 'exact' or 'fast', got {verify!r}")
+    if max_new_tokens < 1:
+        raise DsparkError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    mode = mode or ("spec" if drafter is not None else "ar")
+    if mode == "spec" and drafter is None:
+        raise DsparkError("mode 'spec' needs a drafter")
+    if temperature > 0 and mode == "spec":
+        print(f"notice: temperature {temperature} > 0: speculative decoding is greedy-only; "
+              "falling back to plain (AR) decoding", file=sys.stderr)
+        mode = "ar"
+    prompt_arrays = [np.asarray(p, dtype=np.int64) for p in prompts]
+    for i, p in enumerate(prompt_arrays):
+        target.check_tokens(p, f"prompt {i}")
+
+    cfg = target.config
+    batch = len(prompt_arrays)
+    proposer = drafter if mode == "spec" else None
+    block = drafter.block_size if drafter is not None else DEFAULT_BLOCK
+    exact_width = block + 1
+    policy = _policy(width, proposer, exact_width)
+    max_step = max(prefill_chunk, exact_width)
+    lengths = np.array([len(p) for p in prompt_arrays])
+    # State capacity, rounded up to a power of two so that runs of similar sizes reuse compiled steps.
+    max_len = 1 << max(6, (int(lengths.max()) + max_new_tokens + max_step).bit_length())
+    step = compiled_step(cfg, StepOptions(simulate_qat=target.simulate_qat,
+                                          capture_layers=drafter.capture_layers if drafter is not None else ()))
+    state = init_state(cfg, batch, max_len, max_step, target.dtype)
+    proposer_state = proposer.init_state(batch, max_step) if proposer is not None else None
+    widths = (exact_width,) if verify == "exact" else tuple(range(1, exact_width + 1))
+    for w in {prefill_chunk, *widths}:  # every program this run can need, compiled before the clock starts
+        step.compile(target.params, state, jax.ShapeDtypeStruct((batch, w), jnp.int32))
+    if proposer is not None:
+        proposer.precompile(proposer_state, tuple({prefill_chunk, *widths}))
+    stops = frozenset(stop_tokens if stop_tokens is not None else (cfg.eos_token_id,))
+    sequences = [_Sequence(i, max_new_tokens, stops, on_token) for i in range(batch)]
+
+    # Prefill in chunks through the same step; the argmax after each prompt's last token is its first token.
+    committed = np.zeros(batch, np.int64)
+    first = np.zeros(batch, np.int32)
+    sample, temperature = temperature > 0, jnp.float32(max(temperature, 1e-6))
+    key = jax.random.PRNGKey(seed)
+    while (committed < lengths).any():
+        rows = np.zeros((batch, prefill_chunk), np.int32)
+        valid = np.clip(lengths - committed, 0, prefill_chunk)
+        for b, p in enumerate(prompt_arrays):
+            rows[b, : valid[b]] = p[committed[b] : committed[b] + valid[b]]
+        positions = state.length[:, None] + jnp.arange(prefill_chunk, dtype=jnp.int32)
+        logits, features, state = step(target.params, state, jnp.asarray(rows))
+        if proposer is not None:
+            proposer_state = proposer.absorb(proposer_state, features, positions)
+        state = commit(state, jnp.asarray(valid, jnp.int32))
+        ends = (valid > 0) & (committed + valid == lengths)
+        key, sub = jax.random.split(key)
+        picked = np.asarray(_pick(logits, jnp.asarray(np.maximum(valid - 1, 0), jnp.int32), temperature, sub,
+                                  sample))
+        first[ends] = picked[ends]
+        committed += valid
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=batch * max_new_tokens, desc=f"{mode} decode", unit="tok")
+    start = time.perf_counter()
+    for s in sequences:
+        emitted = s.emit([first[s.index]])
+        if bar is not None:
+            bar.update(emitted)
+
+    seeds = jnp.asarray(first)
+    ewma = jnp.full((batch,), policy.ewma_init, jnp.float32)
+    while not all(s.done for s in sequences):
+        active = np.array([not s.done for s in sequences])
+        if proposer is not None:
+            candidates, confidences = proposer.propose(proposer_state, seeds, state.length)
+            widths = _widths(policy, confidences, ewma)
+            program = exact_width if verify == "exact" else int(np.asarray(widths)[active].max())
+            candidates = candidates[:, : program - 1]
+        else:
+            program = exact_width if verify == "exact" else 1
+            candidates = jnp.repeat(seeds[:, None], program - 1, axis=1)  # padding rows
+            widths = jnp.ones((batch,), jnp.int32)
+        tokens = jnp.concatenate([seeds[:, None], candidates], axis=1)
+        positions = state.length[:, None] + jnp.arange(program, dtype=jnp.int32)
+        logits, features, state = step(target.params, state, tokens)
+        matched, bonus, bad_candidate = _outcome(logits, candidates, widths)
+        if sample:  # plain decoding only: the next token is sampled from row 0
+            key, sub = jax.random.split(key)
+            bonus = _pick(logits, jnp.zeros((batch,), jnp.int32), temperature, sub, True)
+        state = commit(state, jnp.where(jnp.asarray(active), matched + 1, 0))
+        if proposer is not None:
+            proposer_state = proposer.absorb(proposer_state, features, positions)
+            ewma = policy.update(ewma, matched)
+        seeds = bonus
+        host_candidates, host_matched, host_bonus, host_widths, host_bad = jax.device_get(
+            (candidates, matched, bonus, widths, bad_candidate))
+        if host_bad != -1:  # hash layers index tid2eid by token: an out-of-range draft must never be emitted
+            raise TokenIdError(f"the proposer drafted token id {int(host_bad)}, outside the vocabulary and hash "
+                               f"tables [0, {cfg.vocab_size}) of {target.path}")
+        for s in sequences:
+            if s.done:
+                continue
+            b = s.index
+            m = int(host_matched[b])
+            s.result.steps += 1
+            s.result.matched += m
+            s.result.offered += int(host_widths[b]) - 1
+            emitted = s.emit([*host_candidates[b, :m], host_bonus[b]])
+            if bar is not None:
+                bar.update(emitted)
+    if bar is not None:
+        bar.close()
+    for s in sequences:
+        elapsed = max(s.finished_at - start, 1e-9)
+        s.result.tok_per_s = len(s.result.token_ids) / elapsed
+    return [s.result for s in sequences]

@@ -1,0 +1,97 @@
+"""What the speculative loop needs from a drafter, and the DSpark drafter loaded from its GGUF.
+
+The loop talks to a `Proposer`: it absorbs the target's captured features of verified rows, and proposes
+`block_size` candidates after each seed. `Drafter` is the DSpark implementation; tests plug in others (an
+oracle that knows the target's greedy continuation) through the same protocol.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+
+from dsparkjax.aot import AotFunction
+from dsparkjax.config import DrafterConfig
+from dsparkjax.ggufio.contract import open_drafter
+from dsparkjax.model.drafter import DrafterModel, DrafterState, init_drafter_state
+from dsparkjax.model.params import DrafterParams, load_drafter_params
+from dsparkjax.target_api import Target
+
+
+class Proposer(Protocol):
+    """A source of draft candidates for the speculative loop."""
+
+    block_size: int  # candidates per proposal
+    capture_layers: tuple[int, ...]  # target layers whose features it reads
+    has_confidence: bool  # whether confidences are meaningful (else the width policy uses the EWMA)
+
+    def init_state(self, batch: int, max_step: int) -> Any:
+        """Empty proposer state for `batch` sequences and absorbed steps of up to `max_step` rows."""
+
+    def precompile(self, state: Any, widths: tuple[int, ...]) -> None:
+        """Compile ahead of time whatever `absorb` (for these row counts) and `propose` will run."""
+
+    def absorb(self, state: Any, features: jax.Array, positions: jax.Array) -> Any:
+        """Take the target features `[B, C, n_capture, D]` of rows at positions `[B, C]`."""
+
+    def propose(self, state: Any, seeds: jax.Array, seed_pos: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Candidates int32 `[B, block_size]` and confidences float32 `[B, block_size]` after seeds `[B]`."""
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(cfg: DrafterConfig, simulate_qat: bool) -> tuple[AotFunction, AotFunction]:
+    model = DrafterModel(cfg, simulate_qat)
+    return AotFunction(model.absorb, donate_argnums=(1,)), AotFunction(model.propose)
+
+
+@dataclasses.dataclass(frozen=True)
+class Drafter:
+    """A loaded DSpark drafter, bound to the target whose embedding and LM head it shares."""
+
+    path: str
+    config: DrafterConfig
+    params: DrafterParams
+    target: Target
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def capture_layers(self) -> tuple[int, ...]:
+        return self.config.capture_layer_ids
+
+    @property
+    def has_confidence(self) -> bool:
+        return self.params.confidence_w is not None
+
+    def init_state(self, batch: int, max_step: int) -> DrafterState:
+        return init_drafter_state(self.config, batch, max_step, self.target.dtype)
+
+    def precompile(self, state: DrafterState, widths: tuple[int, ...]) -> None:
+        absorb, propose = _compiled(self.config, self.target.simulate_qat)
+        batch, dim = state.context_pos.shape[0], self.config.hidden_size
+        n_cap = len(self.capture_layers)
+        for width in widths:
+            absorb.compile(self.params, state, jax.ShapeDtypeStruct((batch, width, n_cap, dim), jnp.float32),
+                           jax.ShapeDtypeStruct((batch, width), jnp.int32))
+        vector = jax.ShapeDtypeStruct((batch,), jnp.int32)
+        propose.compile(self.params, self.target.params.embed, self.target.params.head, state, vector, vector)
+
+    def absorb(self, state: DrafterState, features: jax.Array, positions: jax.Array) -> DrafterState:
+        absorb, _ = _compiled(self.config, self.target.simulate_qat)
+        return absorb(self.params, state, features, positions)
+
+    def propose(self, state: DrafterState, seeds: jax.Array, seed_pos: jax.Array) -> tuple[jax.Array, jax.Array]:
+        _, propose = _compiled(self.config, self.target.simulate_qat)
+        return propose(self.params, self.target.params.embed, self.target.params.head, state, seeds, seed_pos)
+
+
+def load_drafter(path: str, target: Target) -> Drafter:
+    """Open a `deepseek4-dflash-draft` GGUF, check its contract and its fit to `target`, load its weights."""
+    file, cfg = open_drafter(path, target.config)
+    return Drafter(file.path, cfg, load_drafter_params(file, cfg, jnp.dtype(target.dtype)), target)

@@ -1,0 +1,125 @@
+"""Batched greedy generation from the command line: plain (AR) or DSpark speculative, exact or fast.
+
+    python scripts/generate.py                         # speculative, on the embedded tiny pair
+    python scripts/generate.py --target T.gguf --draft D.gguf --prompt "Hello" --prompt "Bonjour"
+    python scripts/generate.py --mode ar --verify fast --prompts_file prompts.jsonl --output out.jsonl
+
+Prompts are text (tokenized with the target's own tokenizer; `--chat` applies the DeepSeek-V4 template) or
+token ids (`--prompt_ids 1,2,3`). Prints each sequence's text, tok/s, steps and matched/offered, the mean
+accepted length, and with `--output` writes one JSON object per sequence.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from absl import app, flags, logging
+
+from dsparkjax import chat
+from dsparkjax.errors import DsparkError
+from dsparkjax.spec.generate import generate
+from dsparkjax.spec.proposer import load_drafter
+from dsparkjax.target_api import load_target
+from dsparkjax.tiny import default_pair
+
+DEFAULT_PROMPTS = (
+    "The quick brown fox",
+    "Once upon a time, in a land far away, there lived",
+    "Speculative decoding verifies several drafted tokens in one step, so",
+)
+
+_TARGET = flags.DEFINE_string("target", None, "Target GGUF (default: the embedded tiny target).")
+_DRAFT = flags.DEFINE_string("draft", None, "DSpark drafter GGUF (default: the embedded tiny drafter).")
+_PROMPT = flags.DEFINE_multi_string("prompt", [], "A text prompt (repeatable).")
+_PROMPT_IDS = flags.DEFINE_multi_string("prompt_ids", [], "A prompt as comma-separated token ids (repeatable).")
+_PROMPTS_FILE = flags.DEFINE_string("prompts_file", None, "Prompts file: one per line, or JSONL with chat messages.")
+_CHAT = flags.DEFINE_bool("chat", False, "Apply the DeepSeek-V4 chat template to text prompts.")
+_THINKING = flags.DEFINE_bool("thinking", False, "With --chat: open a thinking block in the generation prompt.")
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 32, "Tokens to generate per prompt.")
+_MODE = flags.DEFINE_enum("mode", "spec", ["spec", "ar"], "Speculative (with the drafter) or plain decoding.")
+_VERIFY = flags.DEFINE_enum("verify", "exact", ["exact", "fast"], "exact: token-identical to AR; fast: per-q programs.")
+_Q = flags.DEFINE_string("q", "adaptive", "Verify width: 'adaptive' or a fixed 1..block_size+1.")
+_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
+_QAT = flags.DEFINE_bool("simulate_qat", True, "FP8 KV / FP4 indexer rounding of the official model.")
+_TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "> 0 samples (plain decoding only).")
+_OUTPUT = flags.DEFINE_string("output", None, "Write one JSON object per sequence to this file.")
+
+
+def _prompts(tokenizer) -> list[tuple[str, list[int]]]:
+    """(display text, token ids) per prompt from the flags."""
+    prompts: list[tuple[str, list[int]]] = []
+    texts = [chat.Prompt(text=t) for t in _PROMPT.value]
+    if _PROMPTS_FILE.value:
+        texts += chat.load_prompts(_PROMPTS_FILE.value)
+    if not texts and not _PROMPT_IDS.value:
+        texts = [chat.Prompt(text=t) for t in DEFAULT_PROMPTS]
+    if texts and tokenizer is None:
+        raise DsparkError("text prompts need a tokenizer in the target GGUF; pass --prompt_ids instead")
+    for p in texts:
+        rendered = p.render(chat_template=_CHAT.value or p.messages is not None, thinking=_THINKING.value)
+        prompts.append((rendered, tokenizer.encode(rendered, add_bos=not (_CHAT.value or p.messages))))
+    for ids in _PROMPT_IDS.value:
+        prompts.append((ids, [int(i) for i in ids.split(",") if i.strip()]))
+    return prompts
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    logging.set_verbosity(logging.WARNING)  # keep library INFO logs (gguf writer, jax backends) off the output
+    target_path, draft_path = _TARGET.value, _DRAFT.value
+    if target_path is None:
+        target_path, embedded_draft = default_pair()
+        draft_path = draft_path or embedded_draft
+    target = load_target(target_path, dtype=_DTYPE.value, simulate_qat=_QAT.value, progress=True)
+    drafter = load_drafter(draft_path, target) if draft_path else None
+    if _MODE.value == "spec" and drafter is None:
+        raise DsparkError("--mode spec needs --draft")
+    prompts = _prompts(target.tokenizer)
+    tok = target.tokenizer
+    decoders = [tok.incremental_decoder() if tok else None for _ in prompts]
+    streamed = [""] * len(prompts)
+
+    def on_token(index: int, token: int) -> None:
+        piece = decoders[index].push(token) if decoders[index] else f" {token}"
+        streamed[index] += piece
+        if len(prompts) == 1:
+            print(piece, end="", flush=True)
+
+    start = time.perf_counter()
+    results = generate(target, [ids for _, ids in prompts], drafter=drafter, max_new_tokens=_MAX_NEW.value,
+                       verify=_VERIFY.value, width=_Q.value, on_token=on_token, mode=_MODE.value,
+                       temperature=_TEMPERATURE.value, progress=True)
+    elapsed = time.perf_counter() - start
+    for i, dec in enumerate(decoders):
+        if dec is not None:
+            streamed[i] += dec.flush()
+    print()
+    total = sum(len(r.token_ids) for r in results)
+    rows = []
+    for (shown, ids), r, text in zip(prompts, results, streamed):
+        rate = f"{r.matched}/{r.offered}" if r.offered else "-"
+        print(f"--- prompt ({len(ids)} tokens): {shown!r}")
+        print(f"    output: {text!r}")
+        print(f"    {len(r.token_ids)} tokens, {r.tok_per_s:.1f} tok/s, {r.steps} steps, matched/offered {rate}, "
+              f"stop: {r.stop_reason}")
+        rows.append(dict(prompt=shown, prompt_ids=ids, text=text, token_ids=r.token_ids, matched=r.matched,
+                         offered=r.offered, steps=r.steps, tok_per_s=r.tok_per_s, stop_reason=r.stop_reason,
+                         mean_accepted=r.mean_accepted))
+    steps = sum(r.steps for r in results)
+    mean_accepted = (sum(r.matched for r in results) + steps) / max(steps, 1)
+    print(f"mode={_MODE.value} verify={_VERIFY.value} q={_Q.value}: {total} tokens in {elapsed:.2f}s "
+          f"({total / elapsed:.1f} tok/s incl. compile), mean accepted length {mean_accepted:.2f} tokens/step")
+    if _OUTPUT.value:
+        with open(_OUTPUT.value, "w", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+
+if __name__ == "__main__":
+    try:
+        app.run(main)
+    except DsparkError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(1)

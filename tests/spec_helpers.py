@@ -1,0 +1,63 @@
+"""Test proposers for the speculative loop: an oracle that knows the target's greedy continuation."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsparkjax.spec.generate import Result
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class OracleProposer:
+    """Proposes the target's own greedy continuation, known from a plain run, but wrong where `wrong` is set.
+
+    `truth[b, p]` is the token at position p of sequence b (prompt, then the plain run's output). A wrong
+    position proposes another token (and a low confidence), so a run sees both acceptances and rejections.
+    `bad_id` makes every proposal an out-of-range id (for the hash-table bounds test).
+    """
+
+    truth: np.ndarray  # int32 [B, L]
+    wrong: np.ndarray  # bool [B, L]
+    vocab: int
+    block_size: int = 5
+    capture_layers: tuple[int, ...] = ()
+    has_confidence: bool = True
+    bad_id: int | None = None
+
+    def init_state(self, batch: int, max_step: int) -> Any:
+        del max_step
+        assert batch == self.truth.shape[0]
+        return jnp.asarray(self.truth, jnp.int32), jnp.asarray(self.wrong)
+
+    def precompile(self, state: Any, widths: tuple[int, ...]) -> None:
+        del state, widths  # nothing to compile: propose is a few jnp ops
+
+    def absorb(self, state: Any, features: jax.Array, positions: jax.Array) -> Any:
+        del features, positions
+        return state
+
+    def propose(self, state: Any, seeds: jax.Array, seed_pos: jax.Array) -> tuple[jax.Array, jax.Array]:
+        truth, wrong = state
+        idx = jnp.minimum(seed_pos[:, None] + 1 + jnp.arange(self.block_size), truth.shape[1] - 1)
+        rows = jnp.arange(truth.shape[0])[:, None]
+        candidates = jnp.where(wrong[rows, idx], (truth[rows, idx] + 1) % self.vocab, truth[rows, idx])
+        if self.bad_id is not None:
+            candidates = jnp.full_like(candidates, self.bad_id)
+        return candidates, jnp.where(wrong[rows, idx], 0.3, 0.95).astype(jnp.float32)
+
+
+def oracle_for(prompts: list[list[int]], reference: list[Result], vocab: int, wrong_rate: float, seed: int,
+               **kwargs: Any) -> OracleProposer:
+    """An oracle proposing the `reference` run's outputs after `prompts`, wrong at `wrong_rate` of positions."""
+    length = max(len(p) + len(r.token_ids) for p, r in zip(prompts, reference)) + 16
+    truth = np.zeros((len(prompts), length), np.int32)
+    for b, (p, r) in enumerate(zip(prompts, reference)):
+        seq = list(p) + r.token_ids
+        truth[b, : len(seq)] = seq
+    wrong = np.random.default_rng(seed).random(truth.shape) < wrong_rate
+    return OracleProposer(truth, wrong, vocab, **kwargs)

@@ -1,0 +1,293 @@
+"""Speculative generation: exact mode equals plain greedy decoding, and lucebox's bugs as named tests.
+
+Exactness runs through one program width (1 + block_size) for decode and verify alike, so the property is
+checked bit for bit: speculative token ids == plain greedy token ids, on random tiny targets, prompts,
+batch sizes and widths, with an oracle drafter that agrees most of the time (acceptances) and is
+deliberately wrong elsewhere (rejections), and with the real DSpark drafter (random, disagreeing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from dsparkjax.errors import DsparkError, TokenIdError
+from dsparkjax.model.drafter import DrafterModel
+from dsparkjax.model.layers import rms_norm
+from dsparkjax.spec.generate import generate
+from dsparkjax.spec.proposer import load_drafter
+from dsparkjax.spec.width import WidthPolicy, accepted_candidates
+from dsparkjax.target_api import load_target
+from model_helpers import (
+    decode_single,
+    fresh_state,
+    max_rel_err,
+    prefill,
+    random_tokens,
+    step_fn,
+    tiny_pair_paths,
+    tiny_target_model,
+    visible_state,
+)
+from spec_helpers import oracle_for
+
+VOCAB = 512
+
+
+@functools.lru_cache(maxsize=None)
+def pair(seed: int = 0):
+    target_path, draft_path = tiny_pair_paths(seed)
+    target = load_target(target_path)
+    return target, load_drafter(draft_path, target)
+
+
+def random_prompts(rng: np.random.Generator, batch: int, max_len: int = 20) -> list[list[int]]:
+    return [rng.integers(0, VOCAB, int(rng.integers(1, max_len + 1))).tolist() for _ in range(batch)]
+
+
+# -- exactness ---------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=6, deadline=None, derandomize=True)
+@given(seed=st.integers(0, 2), batch=st.sampled_from([1, 3]), width=st.sampled_from([2, 3, 4, 5, 6, "adaptive"]),
+       data=st.data())
+def test_exact_spec_equals_greedy_with_agreeing_drafter(seed, batch, width, data):
+    """Spec output == plain greedy output, with acceptances and rejections in every run."""
+    target = tiny_target_model(seed)
+    rng = np.random.default_rng(data.draw(st.integers(0, 10**6)))
+    prompts = random_prompts(rng, batch)
+    max_new = data.draw(st.integers(12, 24))
+    plain = generate(target, prompts, max_new_tokens=max_new, stop_tokens=())
+    oracle = oracle_for(prompts, plain, VOCAB, wrong_rate=0.3, seed=seed)
+    spec = generate(target, prompts, drafter=oracle, max_new_tokens=max_new, width=width, stop_tokens=())
+    for p, s in zip(plain, spec):
+        assert s.token_ids == p.token_ids
+        assert s.matched <= s.offered
+    assert sum(s.matched for s in spec) > 0, "no multi-token acceptance happened"
+    assert sum(s.offered - s.matched for s in spec) > 0, "no rejection happened"
+
+
+def test_width_one_is_plain_decoding_through_the_verifier():
+    target = tiny_target_model()
+    prompts = random_prompts(np.random.default_rng(3), 3)
+    plain = generate(target, prompts, max_new_tokens=10, stop_tokens=())
+    oracle = oracle_for(prompts, plain, VOCAB, wrong_rate=0.0, seed=0)
+    spec = generate(target, prompts, drafter=oracle, max_new_tokens=10, width=1, stop_tokens=())
+    assert [s.token_ids for s in spec] == [p.token_ids for p in plain]
+    assert all(s.offered == 0 and s.steps == len(s.token_ids) - 1 for s in spec)
+
+
+@pytest.mark.parametrize("width", ["adaptive", 4])
+def test_exact_spec_equals_greedy_with_dspark_drafter(width):
+    """The real (random, so mostly disagreeing) DSpark drafter: exact mode still reproduces greedy output."""
+    target, drafter = pair()
+    prompts = random_prompts(np.random.default_rng(7), 3)
+    plain = generate(target, prompts, drafter=drafter, mode="ar", max_new_tokens=16, stop_tokens=())
+    spec = generate(target, prompts, drafter=drafter, max_new_tokens=16, width=width, stop_tokens=())
+    for p, s in zip(plain, spec):
+        assert s.token_ids == p.token_ids
+        assert 0 <= s.matched <= s.offered and s.offered > 0
+
+
+def test_fast_mode_runs_per_width_programs_and_matches_on_cpu():
+    """fast verification uses a program per width; on CPU fp32 the tiny model shows no near-tie flips."""
+    target = tiny_target_model()
+    prompts = random_prompts(np.random.default_rng(4), 2)
+    plain = generate(target, prompts, max_new_tokens=12, verify="fast", stop_tokens=())
+    oracle = oracle_for(prompts, plain, VOCAB, wrong_rate=0.3, seed=1)
+    spec = generate(target, prompts, drafter=oracle, max_new_tokens=12, verify="fast", stop_tokens=())
+    assert [s.token_ids for s in spec] == [p.token_ids for p in plain]
+
+
+# -- named tests from dspark.md §6 -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("q", [2, 3, 4, 5])
+def test_batched_verify_causality(q):
+    """§6.1: a q-row verify at kv_start 0, 126, 127, 128, 129, 300 equals q sequential steps (all rows)."""
+    target = tiny_target_model(simulate_qat=False)
+    starts = np.array([0, 126, 127, 128, 129, 300])
+    tokens = random_tokens(np.random.default_rng(q), (len(starts), 300 + q), VOCAB)
+    state, _ = prefill(target, fresh_state(target, len(starts), 512), tokens, starts, 16)
+    rows = tokens[np.arange(len(starts))[:, None], starts[:, None] + np.arange(q)]
+    logits, _, state = step_fn(target)(target.params, state, jnp.asarray(rows))
+    assert logits.shape == (len(starts), q, VOCAB)  # §6.7: every row's logits, not only the last
+    seq_state, _ = prefill(target, fresh_state(target, len(starts), 512), tokens, starts, 16)
+    _, single = decode_single(target, seq_state, tokens, starts, q)
+    assert max_rel_err(np.asarray(logits), single) < 1e-5
+
+
+def test_ring_rollback_after_wrap():
+    """§6.2: with an 8-row window, write positions 10..13, commit 12, then 10: state as if never written."""
+    target = tiny_target_model()
+    tokens = random_tokens(np.random.default_rng(2), (1, 16), VOCAB)
+    for commit_to in (12, 10):
+        state, _ = prefill(target, fresh_state(target, 1), tokens, np.array([10]), 16)
+        rows = np.zeros((1, 6), np.int32)
+        rows[0, :4] = tokens[0, 10:14]
+        _, _, state = step_fn(target)(target.params, state, jnp.asarray(rows))
+        state = state.replace(length=jnp.asarray([commit_to], jnp.int32))
+        ref, _ = prefill(target, fresh_state(target, 1), tokens, np.array([10]), 16)
+        ref, _ = decode_single(target, ref, tokens, np.array([10]), commit_to - 10, width=6)
+        assert int(state.length[0]) == commit_to
+        got, want = visible_state(state, target.config), visible_state(ref, target.config)
+        for key in want:
+            np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+        # n_comp = n_index_comp = length // 4: entries 0..2 at 12, 0..1 at 10 are the only visible ones.
+        assert got["layer1.comp_kv"][0, : commit_to // 4].any(axis=-1).all()
+        assert not got["layer1.comp_kv"][0, commit_to // 4 :].any()
+
+
+def test_compressor_boundary_inside_rejected_span():
+    """§6.3: a verify from 2 crosses the CSA boundary at 3 and the HCA one at 7; reject before them; continue."""
+    target = tiny_target_model()
+    prompts = [random_tokens(np.random.default_rng(8), (2,), VOCAB).tolist()]
+    plain = generate(target, prompts, max_new_tokens=20, stop_tokens=())
+    wrong = np.zeros((1, 64), bool)
+    wrong[0, [4, 9, 14]] = True  # rejections right after CSA/HCA boundaries inside wide verifies
+    oracle = oracle_for(prompts, plain, VOCAB, 0.0, 0)
+    oracle = dataclasses.replace(oracle, wrong=wrong[:, : oracle.truth.shape[1]])
+    spec = generate(target, prompts, drafter=oracle, max_new_tokens=20, width=6, stop_tokens=())
+    assert spec[0].token_ids == plain[0].token_ids
+    assert spec[0].offered > spec[0].matched > 0
+
+
+def test_capture_order_mean_over_streams_and_no_perturbation():
+    """§6.4: features are the mean over HC streams of each capture layer, in the requested order; taking
+    them does not change the logits; 'entering layer i' equals 'after layer i-1'."""
+    target = tiny_target_model()
+    tokens = jnp.asarray(random_tokens(np.random.default_rng(6), (2, 6), VOCAB))
+    from dsparkjax.model.target import StepOptions, TargetModel
+
+    def run(capture, point="after"):
+        model = TargetModel(target.config, StepOptions(capture_layers=capture, capture_point=point))
+        return model.step(target.params, fresh_state(target, 2), tokens)
+
+    logits_none, _, _ = run(())
+    logits_cap, feats, _ = run((3, 1))
+    np.testing.assert_array_equal(np.asarray(logits_none), np.asarray(logits_cap))
+    assert feats.shape == (2, 6, 2, target.config.hidden_size)
+    _, feats_entering, _ = run((2, 4 - 2), "entering")  # entering 2 == after 1
+    np.testing.assert_array_equal(np.asarray(feats_entering[:, :, 0]), np.asarray(feats[:, :, 1]))
+    # Mean over the four streams, recomputed layer by layer.
+    model = TargetModel(target.config, StepOptions())
+    state = fresh_state(target, 2)
+    positions = jnp.broadcast_to(jnp.arange(6, dtype=jnp.int32), (2, 6))
+    streams = jnp.broadcast_to(target.params.embed[tokens][:, :, None, :], (2, 6, 4, target.config.hidden_size))
+    for layer in range(4):
+        streams, _ = model.block(layer, target.params.blocks[layer], streams, tokens, positions, state.layers[layer])
+        if layer == 3:
+            np.testing.assert_allclose(np.asarray(feats[:, :, 0]), np.asarray(streams.mean(axis=2)), rtol=1e-5,
+                                       atol=1e-6)
+
+
+def test_hash_table_bounds_on_draft_tokens():
+    """§6.5: a proposer drafting an id outside the vocabulary (and hash tables) is an error, never emitted."""
+    target = tiny_target_model()
+    prompts = [[1, 2, 3]]
+    plain = generate(target, prompts, max_new_tokens=4, stop_tokens=())
+    oracle = oracle_for(prompts, plain, VOCAB, 0.0, 0, bad_id=VOCAB + 5)
+    seen = []
+    with pytest.raises(TokenIdError, match=f"drafted token id {VOCAB + 5}"):
+        generate(target, prompts, drafter=oracle, max_new_tokens=4, on_token=lambda i, t: seen.append(t))
+    assert all(0 <= t < VOCAB for t in seen)
+
+
+def test_confidence_reads_pre_norm_hidden():
+    """§6.8: with a one-hot confidence weight, confidence == sigmoid(pre-norm hidden[0]), not the normed one."""
+    target, drafter = pair()
+    cfg = drafter.config
+    onehot = jnp.zeros((cfg.confidence_dim,), jnp.float32).at[0].set(1.0)
+    params = drafter.params.replace(confidence_w=onehot, confidence_b=None)
+    model = DrafterModel(cfg, target.simulate_qat)
+    state = drafter.init_state(1, 16)
+    seeds, pos = jnp.asarray([5], jnp.int32), jnp.asarray([0], jnp.int32)
+    _, conf = model.propose(params, target.params.embed, target.params.head, state, seeds, pos)
+    hidden = model.block_hidden(params, target.params.embed, state, seeds, pos)
+    np.testing.assert_allclose(np.asarray(conf), np.asarray(1 / (1 + np.exp(-hidden[..., 0]))), rtol=1e-6)
+    normed = rms_norm(hidden, params.norm, cfg.rms_norm_eps)
+    assert not np.allclose(np.asarray(conf), np.asarray(1 / (1 + np.exp(-normed[..., 0]))), rtol=1e-3)
+
+
+def test_eos_inside_accepted_run_stops_at_once():
+    """§6.12: a stop token in the middle of an accepted run ends the sequence right there."""
+    target = tiny_target_model()
+    prompts = random_prompts(np.random.default_rng(12), 2)
+    plain = generate(target, prompts, max_new_tokens=24, stop_tokens=())
+    stop = plain[0].token_ids[6]
+    oracle = oracle_for(prompts, plain, VOCAB, wrong_rate=0.0, seed=0)
+    spec = generate(target, prompts, drafter=oracle, max_new_tokens=24, width=6, stop_tokens=(stop,))
+    for p, s in zip(plain, spec):
+        cut = p.token_ids.index(stop) + 1 if stop in p.token_ids else len(p.token_ids)
+        assert s.token_ids == p.token_ids[:cut]
+        assert s.stop_reason == ("eos" if stop in p.token_ids else "length")
+
+
+def test_cancellation_mid_step():
+    """§6.12: a callback returning False stops that sequence at once, even inside an accepted run."""
+    target = tiny_target_model()
+    prompts = random_prompts(np.random.default_rng(13), 2)
+    plain = generate(target, prompts, max_new_tokens=20, stop_tokens=())
+    oracle = oracle_for(prompts, plain, VOCAB, wrong_rate=0.0, seed=0)
+    counts = [0, 0]
+
+    def on_token(index: int, token: int) -> bool:
+        counts[index] += 1
+        return not (index == 0 and counts[0] == 4)
+
+    spec = generate(target, prompts, drafter=oracle, max_new_tokens=20, width=6, on_token=on_token, stop_tokens=())
+    assert spec[0].token_ids == plain[0].token_ids[:4] and spec[0].stop_reason == "cancelled"
+    assert spec[1].token_ids == plain[1].token_ids and spec[1].stop_reason == "length"
+    assert counts == [4, 20]
+
+
+def test_temperature_falls_back_to_plain_decoding(capsys):
+    target, drafter = pair()
+    results = generate(target, [[1, 2, 3]], drafter=drafter, max_new_tokens=3, temperature=0.8)
+    assert "falling back to plain (AR) decoding" in capsys.readouterr().err
+    assert results[0].offered == 0 and len(results[0].token_ids) == 3
+
+
+def test_bad_arguments_are_rejected():
+    target = tiny_target_model()
+    with pytest.raises(DsparkError, match="at least one token"):
+        generate(target, [[]])
+    with pytest.raises(DsparkError, match="needs a drafter"):
+        generate(target, [[1]], mode="spec")
+    with pytest.raises(DsparkError, match="width must be"):
+        generate(target, [[1]], drafter=pair()[1], width=9)
+    with pytest.raises(TokenIdError, match="prompt 1: id 600"):
+        generate(target, [[1], [600]])
+
+
+# -- width policy ------------------------------------------------------------------------------------------
+
+
+def test_confidence_width_policy():
+    policy = WidthPolicy("confidence", max_q=6)
+    conf = jnp.asarray([[0.5, 0.5, 0.9, 1, 1], [0.7, 0.6, 0.5, 1, 1], [0.7, 0.6, 0.8, 1, 1], [0.9, 0.9, 0.9, 1, 1]])
+    # P2 = .25 -> 2;  P2 = .42 but P3 = .21 -> 3;  P2 = .42, P3 = .336 -> 4;  -> 4 (the policy's top).
+    np.testing.assert_array_equal(np.asarray(policy.choose(conf, jnp.zeros(4))), [2, 3, 4, 4])
+    assert int(WidthPolicy("confidence", max_q=3).choose(conf[3:], jnp.zeros(1))[0]) == 3
+
+
+def test_ewma_and_fixed_width_policies():
+    policy = WidthPolicy("ewma", max_q=6)
+    ewma = jnp.full((2,), policy.ewma_init)
+    assert np.asarray(policy.choose(jnp.ones((2, 5)), ewma)).tolist() == [3, 3]  # int(1.5) + 2
+    ewma = policy.update(ewma, jnp.asarray([4, 0]))
+    np.testing.assert_allclose(np.asarray(ewma), [0.7 * 1.5 + 1.2, 0.7 * 1.5])
+    assert np.asarray(policy.choose(jnp.ones((2, 5)), ewma)).tolist() == [4, 3]
+    assert np.asarray(WidthPolicy("fixed", fixed_q=5).choose(jnp.ones((1, 5)), ewma[:1])).tolist() == [5]
+
+
+def test_accepted_candidates_counts_the_leading_matches():
+    candidates = jnp.asarray([[4, 5, 6], [4, 9, 6], [1, 5, 6], [4, 5, 6]])
+    greedy = jnp.asarray([[4, 5, 6, 7]] * 4)
+    widths = jnp.asarray([4, 4, 4, 2])
+    np.testing.assert_array_equal(np.asarray(accepted_candidates(candidates, greedy, widths)), [3, 1, 0, 1])
