@@ -1,0 +1,119 @@
+// Argument checking and dispatch shared by the CPU and GPU FFI handlers (host code only).
+//
+// Every op takes an explicit leading token axis T. Shapes are validated here once, so the CPU and GPU
+// handlers agree on what is accepted; errors name the argument at fault.
+#pragma once
+#include <cstdint>
+#include <string>
+
+#include "quant_formats.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace dspark {
+namespace ffi = xla::ffi;
+
+// Problem size of qmatmul (E = 1) and qmatmul_id (E experts, k selected per token).
+struct QDims {
+  int64_t T = 0, K = 0, N = 0, row_bytes = 0, E = 1, k = 1;
+  int block = 0, block_bytes = 0;
+};
+
+inline ffi::Error arg_error(const std::string& msg) { return ffi::Error::InvalidArgument("dsparkjax: " + msg); }
+
+// x [T, K] (f32 | bf16), w [N, row_bytes] or [E, N, row_bytes] (u8), optional ids [T, k] (s32).
+inline ffi::Error check_qdims(const ffi::AnyBuffer& x, const ffi::AnyBuffer& w, int32_t ggml_type, bool moe,
+                              QDims* d) {
+  if (!visit_format(ggml_type, [&](auto fmt) {
+        d->block = decltype(fmt)::kBlock;
+        d->block_bytes = decltype(fmt)::kBytes;
+      }))
+    return arg_error("unsupported ggml_type " + std::to_string(ggml_type));
+  if (x.element_type() != ffi::DataType::F32 && x.element_type() != ffi::DataType::BF16)
+    return arg_error("x must be float32 or bfloat16");
+  if (w.element_type() != ffi::DataType::U8) return arg_error("w_packed must be uint8");
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2) return arg_error("x must be [T, K]");
+  if (wd.size() != (moe ? 3u : 2u)) return arg_error(moe ? "w_packed must be [E, N, row_bytes]" : "w_packed must be [N, row_bytes]");
+  d->T = xd[0];
+  d->K = xd[1];
+  d->E = moe ? wd[0] : 1;
+  d->N = wd[wd.size() - 2];
+  d->row_bytes = wd[wd.size() - 1];
+  if (d->K % d->block != 0)
+    return arg_error("K=" + std::to_string(d->K) + " is not a multiple of the block size " + std::to_string(d->block));
+  if (d->row_bytes != d->K / d->block * d->block_bytes)
+    return arg_error("w_packed row has " + std::to_string(d->row_bytes) + " bytes, expected " +
+                     std::to_string(d->K / d->block * d->block_bytes) + " for K=" + std::to_string(d->K));
+  return ffi::Error::Success();
+}
+
+inline ffi::Error check_ids(const ffi::AnyBuffer& ids, QDims* d) {
+  const auto idd = ids.dimensions();
+  if (ids.element_type() != ffi::DataType::S32 || idd.size() != 2 || idd[0] != d->T)
+    return arg_error("ids must be int32 [T, k] with the T of x");
+  d->k = idd[1];
+  return ffi::Error::Success();
+}
+
+// HC sizes: streams [T, n, D] (f32 | bf16), fn [M, n*D] (f32 | f16 | bf16), base [M], scale [3].
+struct HcDims {
+  int64_t T = 0, n = 0, D = 0, M = 0;
+};
+constexpr int kMaxHc = 8;  // the Sinkhorn state lives in fixed-size arrays of kMaxHc^2 floats
+
+inline bool is_float_type(ffi::DataType t) {
+  return t == ffi::DataType::F32 || t == ffi::DataType::BF16 || t == ffi::DataType::F16;
+}
+
+inline ffi::Error check_hc_streams(const ffi::AnyBuffer& streams, HcDims* d) {
+  const auto sd = streams.dimensions();
+  if (sd.size() != 3 || !is_float_type(streams.element_type())) return arg_error("streams must be float [T, n, D]");
+  d->T = sd[0];
+  d->n = sd[1];
+  d->D = sd[2];
+  if (d->n < 1 || d->n > kMaxHc) return arg_error("hc stream count n must be in 1..8");
+  return ffi::Error::Success();
+}
+
+inline ffi::Error check_hc_pre(const ffi::AnyBuffer& streams, const ffi::AnyBuffer& fn, const ffi::AnyBuffer& base,
+                               const ffi::AnyBuffer& scale, HcDims* d) {
+  if (auto e = check_hc_streams(streams, d); e.failure()) return e;
+  const auto fd = fn.dimensions();
+  d->M = (2 + d->n) * d->n;
+  if (fd.size() != 2 || fd[0] != d->M || fd[1] != d->n * d->D || !is_float_type(fn.element_type()))
+    return arg_error("fn must be float [(2+n)*n, n*D]");
+  if (base.element_type() != ffi::DataType::F32 || base.element_count() != d->M) return arg_error("base must be float32 [(2+n)*n]");
+  if (scale.element_type() != ffi::DataType::F32 || scale.element_count() != 3) return arg_error("scale must be float32 [3]");
+  return ffi::Error::Success();
+}
+
+// HC-post: block_out [T, D] (float), streams [T, n, D] (float), post [T, n] and comb [T, n, n] (float32).
+inline ffi::Error check_hc_post(const ffi::AnyBuffer& block_out, const ffi::AnyBuffer& streams,
+                                const ffi::AnyBuffer& post, const ffi::AnyBuffer& comb, HcDims* d) {
+  if (auto e = check_hc_streams(streams, d); e.failure()) return e;
+  const auto bd = block_out.dimensions();
+  if (bd.size() != 2 || bd[0] != d->T || bd[1] != d->D || !is_float_type(block_out.element_type()))
+    return arg_error("block_out must be float [T, D] matching streams");
+  if (post.element_type() != ffi::DataType::F32 || post.element_count() != d->T * d->n)
+    return arg_error("post must be float32 [T, n]");
+  if (comb.element_type() != ffi::DataType::F32 || comb.element_count() != d->T * d->n * d->n)
+    return arg_error("comb must be float32 [T, n, n]");
+  return ffi::Error::Success();
+}
+
+// Calls f(T{}) with T = float, bf16_t or f16_t for the buffer's element type.
+template <class F>
+void visit_float(ffi::DataType t, F&& f) {
+  if (t == ffi::DataType::BF16) f(bf16_t{});
+  else if (t == ffi::DataType::F16) f(f16_t{});
+  else f(float{});
+}
+
+}  // namespace dspark
+
+// The FFI API version these handlers were compiled against; ffi.py checks it against the runtime.
+extern "C" __attribute__((visibility("default"))) int32_t DsparkFfiApiMajor();
+extern "C" __attribute__((visibility("default"))) int32_t DsparkFfiApiMinor();
+#define DSPARK_DEFINE_API_VERSION                                              \
+  extern "C" int32_t DsparkFfiApiMajor() { return XLA_FFI_API_MAJOR; } \
+  extern "C" int32_t DsparkFfiApiMinor() { return XLA_FFI_API_MINOR; }

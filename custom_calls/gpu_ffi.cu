@@ -1,0 +1,425 @@
+// GPU (CUDA, and HIP through gpu_vendor.h) FFI handlers: packed quantized matmul, MoE matmul by expert id,
+// mHC pre/post. Handlers only launch kernels on XLA's stream (no allocation, no sync): kCmdBufferCompatible.
+//
+// Packed matmul layout: a CTA of kWarps warps owns kWarps/S rows; the S warps of a row split its K chunks
+// (chunk = 1024 weights, staged into shared memory with unrolled 16- or 4-byte loads, then decoded with the
+// format's decode8 from quant_formats.h). Each lane accumulates its groups in a fixed order with fmaf, the warp
+// reduces with a fixed butterfly, and the S warp partials are added in slice order. S depends on K only,
+// so an output's arithmetic is the same whatever T, the token's position, or the other tokens: batch
+// invariance. Up to 8 token columns share one decode of the weights.
+#include "gpu_vendor.h"  // first: the HIP runtime header defines __host__/__device__ for the shared headers
+
+#include <cstdint>
+
+#include "ffi_common.h"
+#include "hc_math.h"
+
+namespace dspark {
+namespace {
+
+constexpr int kLanes = 32;
+constexpr int kWarps = 8;
+constexpr int kMaxCols = 8;
+constexpr int kGroupsPerLane = 4;
+constexpr int kChunkGroups = kLanes * kGroupsPerLane;  // groups of 8 weights per chunk (1024 weights)
+
+template <class Fmt>
+constexpr int kChunkBytes = kChunkGroups * 8 / Fmt::kBlock * Fmt::kBytes;
+
+// 8 consecutive activations as float (p is 16-byte aligned: K is a multiple of 8).
+__device__ __forceinline__ void load8(const float* p, float v[8]) {
+  const float4 a = __ldg(reinterpret_cast<const float4*>(p)), b = __ldg(reinterpret_cast<const float4*>(p) + 1);
+  v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+}
+__device__ __forceinline__ void load8(const bf16_t* p, float v[8]) {
+  const uint4 a = __ldg(reinterpret_cast<const uint4*>(p));
+  const uint32_t u[4] = {a.x, a.y, a.z, a.w};
+  for (int i = 0; i < 4; ++i) {
+    v[2 * i] = bits_to_float(u[i] << 16);
+    v[2 * i + 1] = bits_to_float(u[i] & 0xFFFF0000u);
+  }
+}
+
+// Copies a weight chunk (len <= CB bytes) into shared memory. Full chunks use fully unrolled 16- or 4-byte
+// loads, all issued before the first store, so each lane has several loads in flight; `align` is the
+// guaranteed alignment (16, 4 or 1) of every chunk start.
+template <int CB, class V>
+__device__ __forceinline__ void stage_words(uint8_t* dst, const uint8_t* src, int lane) {
+  constexpr int kWords = CB / (int)sizeof(V), kIters = (kWords + kLanes - 1) / kLanes;
+  V r[kIters];
+#pragma unroll
+  for (int i = 0; i < kIters; ++i)
+    if (i * kLanes + lane < kWords) r[i] = __ldg(reinterpret_cast<const V*>(src) + i * kLanes + lane);
+#pragma unroll
+  for (int i = 0; i < kIters; ++i)
+    if (i * kLanes + lane < kWords) reinterpret_cast<V*>(dst)[i * kLanes + lane] = r[i];
+}
+
+template <int CB>
+__device__ __forceinline__ void stage(uint8_t* dst, const uint8_t* src, int len, int align, int lane) {
+  if (len == CB && align == 16) {
+    stage_words<CB, uint4>(dst, src, lane);
+  } else if (len == CB && align == 4) {
+    stage_words<CB, uint32_t>(dst, src, lane);
+  } else {
+    for (int i = lane; i < len; i += kLanes) dst[i] = __ldg(src + i);
+  }
+}
+
+// Alignment of every chunk start of the rows of w: 16, 4 or 1 bytes.
+template <int CB>
+__device__ __forceinline__ int chunk_align(const uint8_t* w, int64_t row_bytes) {
+  const uintptr_t base = reinterpret_cast<uintptr_t>(w);
+  if (CB % 16 == 0 && row_bytes % 16 == 0 && base % 16 == 0) return 16;
+  if (CB % 4 == 0 && row_bytes % 4 == 0 && base % 4 == 0) return 4;
+  return 1;
+}
+
+struct ColTable {  // the token columns of one CTA pass
+  int ncols;
+  int x_row[kMaxCols];  // token index into x
+  int y_row[kMaxCols];  // output row index (t for dense, t*k+j for MoE)
+};
+
+// Rows [row0, row0 + kWarps/S) of w (N rows of row_bytes) times the columns of `cols`; writes y[y_row*N + n].
+template <class Fmt, class XT, int NC>
+__device__ void rows_times_cols(const uint8_t* w, int64_t N, int64_t K, int64_t row_bytes, int S, int64_t row0,
+                                const XT* x, float* y, const ColTable& cols, uint8_t* smem, float* partial) {
+  constexpr int CB = kChunkBytes<Fmt>;
+  constexpr int kGroupsPerBlock = Fmt::kBlock / 8;
+  const int warp = threadIdx.x / kLanes, lane = threadIdx.x % kLanes;
+  const int64_t n = row0 + warp / S;
+  const int slice = warp % S;
+  const int64_t ngroups = K / 8, nchunks = (ngroups + kChunkGroups - 1) / kChunkGroups;
+  uint8_t* sm = smem + warp * CB;
+  float acc[NC];
+  for (int c = 0; c < NC; ++c) acc[c] = 0.0f;
+  if (n < N) {
+    const uint8_t* row = w + n * row_bytes;
+    const int align = chunk_align<CB>(w, row_bytes);
+    for (int64_t ch = slice; ch < nchunks; ch += S) {
+      const int64_t off = ch * CB;
+      const int len = (int)(row_bytes - off < CB ? row_bytes - off : CB);
+      gpu_syncwarp();
+      stage<CB>(sm, row + off, len, align, lane);
+      gpu_syncwarp();
+#pragma unroll
+      for (int r = 0; r < kGroupsPerLane; ++r) {
+        const int gl = r * kLanes + lane;
+        const int64_t gi = ch * kChunkGroups + gl;
+        if (gi < ngroups) {
+          float wv[8];
+          Fmt::decode8(sm + (gl / kGroupsPerBlock) * Fmt::kBytes, gl % kGroupsPerBlock, wv);
+#pragma unroll
+          for (int c = 0; c < NC; ++c) {
+            if (c < cols.ncols) {
+              float xv[8];
+              load8(x + (int64_t)cols.x_row[c] * K + gi * 8, xv);
+#pragma unroll
+              for (int j = 0; j < 8; ++j) acc[c] = __fmaf_rn(wv[j], xv[j], acc[c]);
+            }
+          }
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int c = 0; c < NC; ++c) {
+    for (int m = kLanes / 2; m > 0; m >>= 1) acc[c] += gpu_shfl_xor(acc[c], m);
+    if (lane == 0) partial[warp * kMaxCols + c] = acc[c];
+  }
+  __syncthreads();
+  const int rows = kWarps / S;
+  if (threadIdx.x < rows * cols.ncols) {
+    const int rl = threadIdx.x / cols.ncols, c = threadIdx.x % cols.ncols;
+    const int64_t nn = row0 + rl;
+    if (nn < N) {
+      float s = partial[(rl * S) * kMaxCols + c];
+      for (int sl = 1; sl < S; ++sl) s += partial[(rl * S + sl) * kMaxCols + c];
+      y[(int64_t)cols.y_row[c] * N + nn] = s;
+    }
+  }
+  __syncthreads();
+}
+
+template <class Fmt, class XT, int NC>
+__global__ void __launch_bounds__(kWarps * kLanes) qmatmul_kernel(const uint8_t* __restrict__ w, const XT* __restrict__ x,
+                                                                  float* __restrict__ y, int64_t T, int64_t N, int64_t K,
+                                                                  int64_t row_bytes, int S) {
+  __shared__ __align__(16) uint8_t smem[kWarps * kChunkBytes<Fmt>];
+  __shared__ float partial[kWarps * kMaxCols];
+  ColTable cols;
+  const int64_t t0 = (int64_t)blockIdx.y * kMaxCols;
+  cols.ncols = (int)(T - t0 < kMaxCols ? T - t0 : kMaxCols);
+  for (int c = 0; c < kMaxCols; ++c) cols.x_row[c] = cols.y_row[c] = (int)(t0 + (c < cols.ncols ? c : 0));
+  rows_times_cols<Fmt, XT, NC>(w, N, K, row_bytes, S, (int64_t)blockIdx.x * (kWarps / S), x, y, cols, smem, partial);
+}
+
+// MoE: CTA (row tile, slot p) serves expert ids[p] only if p is that expert's first slot, then loops over all
+// slots choosing it, 8 at a time: each selected expert's rows are read once per call.
+template <class Fmt, class XT>
+__global__ void __launch_bounds__(kWarps * kLanes) qmatmul_id_kernel(const uint8_t* __restrict__ w, const XT* __restrict__ x,
+                                                                     const int32_t* __restrict__ ids, float* __restrict__ y,
+                                                                     int64_t E, int64_t N, int64_t K, int64_t row_bytes,
+                                                                     int topk, int P, int S) {
+  __shared__ __align__(16) uint8_t smem[kWarps * kChunkBytes<Fmt>];
+  __shared__ float partial[kWarps * kMaxCols];
+  __shared__ ColTable s_cols;
+  __shared__ int s_next;
+  const int p = blockIdx.y;
+  const int32_t e = ids[p];
+  for (int q = 0; q < p; ++q)
+    if (ids[q] == e) return;  // an earlier slot's CTA serves this expert
+  const int64_t row0 = (int64_t)blockIdx.x * (kWarps / S);
+  const bool valid = e >= 0 && e < E;
+  const uint8_t* we = w + (valid ? e : 0) * N * row_bytes;
+  for (int start = p; start < P;) {
+    if (threadIdx.x == 0) {
+      int nc = 0, q = start;
+      for (; q < P && nc < kMaxCols; ++q)
+        if (ids[q] == e) {
+          s_cols.x_row[nc] = q / topk;
+          s_cols.y_row[nc] = q;
+          ++nc;
+        }
+      s_cols.ncols = nc;
+      s_next = q;
+    }
+    __syncthreads();
+    const ColTable cols = s_cols;
+    start = s_next;
+    __syncthreads();
+    if (cols.ncols == 0) break;
+    if (!valid) {
+      for (int i = threadIdx.x; i < cols.ncols * (kWarps / S); i += blockDim.x) {
+        const int64_t nn = row0 + i / cols.ncols;
+        if (nn < N) y[(int64_t)cols.y_row[i % cols.ncols] * N + nn] = 0.0f;
+      }
+    } else if (cols.ncols == 1) {
+      rows_times_cols<Fmt, XT, 1>(we, N, K, row_bytes, S, row0, x, y, cols, smem, partial);
+    } else if (cols.ncols == 2) {
+      rows_times_cols<Fmt, XT, 2>(we, N, K, row_bytes, S, row0, x, y, cols, smem, partial);
+    } else if (cols.ncols <= 4) {
+      rows_times_cols<Fmt, XT, 4>(we, N, K, row_bytes, S, row0, x, y, cols, smem, partial);
+    } else {
+      rows_times_cols<Fmt, XT, 8>(we, N, K, row_bytes, S, row0, x, y, cols, smem, partial);
+    }
+  }
+}
+
+// Warps per row: enough K chunks per warp to keep all warps busy, a function of K only (batch invariance).
+int k_split(int64_t K) {
+  const int64_t nchunks = (K / 8 + kChunkGroups - 1) / kChunkGroups;
+  int s = 1;
+  while (s < kWarps && 2 * s <= nchunks) s *= 2;
+  return s;
+}
+
+ffi::Error launch_error() {
+  const gpuError_t err = gpuGetLastError();
+  if (err != gpuSuccess) return ffi::Error::Internal(std::string("dsparkjax kernel launch: ") + gpuGetErrorString(err));
+  return ffi::Error::Success();
+}
+
+template <class XT>
+void launch_qmatmul(gpuStream_t stream, const QDims& d, int32_t type, const uint8_t* w, const void* x, float* y) {
+  const int S = k_split(d.K);
+  const dim3 grid((unsigned)((d.N + kWarps / S - 1) / (kWarps / S)), (unsigned)((d.T + kMaxCols - 1) / kMaxCols));
+  const auto* xp = static_cast<const XT*>(x);
+  visit_format(type, [&](auto fmt) {
+    using Fmt = decltype(fmt);
+    if (d.T == 1) qmatmul_kernel<Fmt, XT, 1><<<grid, kWarps * kLanes, 0, stream>>>(w, xp, y, d.T, d.N, d.K, d.row_bytes, S);
+    else if (d.T == 2) qmatmul_kernel<Fmt, XT, 2><<<grid, kWarps * kLanes, 0, stream>>>(w, xp, y, d.T, d.N, d.K, d.row_bytes, S);
+    else if (d.T <= 4) qmatmul_kernel<Fmt, XT, 4><<<grid, kWarps * kLanes, 0, stream>>>(w, xp, y, d.T, d.N, d.K, d.row_bytes, S);
+    else qmatmul_kernel<Fmt, XT, 8><<<grid, kWarps * kLanes, 0, stream>>>(w, xp, y, d.T, d.N, d.K, d.row_bytes, S);
+  });
+}
+
+ffi::Error QMatmulGpu(gpuStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y,
+                      int32_t ggml_type) {
+  QDims d;
+  if (auto e = check_qdims(x, w, ggml_type, false, &d); e.failure()) return e;
+  if (d.T == 0 || d.N == 0) return ffi::Error::Success();
+  const auto* wp = static_cast<const uint8_t*>(w.untyped_data());
+  auto* yp = static_cast<float*>(y->untyped_data());
+  if (x.element_type() == ffi::DataType::BF16) launch_qmatmul<bf16_t>(stream, d, ggml_type, wp, x.untyped_data(), yp);
+  else launch_qmatmul<float>(stream, d, ggml_type, wp, x.untyped_data(), yp);
+  return launch_error();
+}
+
+template <class XT>
+void launch_qmatmul_id(gpuStream_t stream, const QDims& d, int32_t type, const uint8_t* w, const void* x,
+                       const int32_t* ids, float* y) {
+  const int S = k_split(d.K);
+  const int P = (int)(d.T * d.k);
+  const dim3 grid((unsigned)((d.N + kWarps / S - 1) / (kWarps / S)), (unsigned)P);
+  const auto* xp = static_cast<const XT*>(x);
+  visit_format(type, [&](auto fmt) {
+    using Fmt = decltype(fmt);
+    qmatmul_id_kernel<Fmt, XT><<<grid, kWarps * kLanes, 0, stream>>>(w, xp, ids, y, d.E, d.N, d.K, d.row_bytes,
+                                                                     (int)d.k, P, S);
+  });
+}
+
+ffi::Error QMatmulIdGpu(gpuStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer ids,
+                        ffi::Result<ffi::AnyBuffer> y, int32_t ggml_type) {
+  QDims d;
+  if (auto e = check_qdims(x, w, ggml_type, true, &d); e.failure()) return e;
+  if (auto e = check_ids(ids, &d); e.failure()) return e;
+  if (d.T * d.k > 65535) return arg_error("qmatmul_id: T*k must be <= 65535");
+  if (d.T == 0 || d.k == 0 || d.N == 0) return ffi::Error::Success();
+  const auto* wp = static_cast<const uint8_t*>(w.untyped_data());
+  const auto* ip = static_cast<const int32_t*>(ids.untyped_data());
+  auto* yp = static_cast<float*>(y->untyped_data());
+  if (x.element_type() == ffi::DataType::BF16) launch_qmatmul_id<bf16_t>(stream, d, ggml_type, wp, x.untyped_data(), ip, yp);
+  else launch_qmatmul_id<float>(stream, d, ggml_type, wp, x.untyped_data(), ip, yp);
+  return launch_error();
+}
+
+// ---- mHC ----
+constexpr int kHcThreads = 256;
+
+// Fixed-order block sum (butterfly in each warp, then warps in order); every thread gets the result.
+__device__ float block_sum(float v, float* scratch) {
+  for (int m = kLanes / 2; m > 0; m >>= 1) v += gpu_shfl_xor(v, m);
+  if (threadIdx.x % kLanes == 0) scratch[threadIdx.x / kLanes] = v;
+  __syncthreads();
+  float s = scratch[0];
+  for (int i = 1; i < kHcThreads / kLanes; ++i) s += scratch[i];
+  __syncthreads();
+  return s;
+}
+
+// grid (M, T): mix[t, m] = (flat_t · fn[m]) · rsqrt(mean(flat_t²) + norm_eps).
+template <class XT, class FT>
+__global__ void __launch_bounds__(kHcThreads) hc_mix_kernel(const XT* __restrict__ x, const FT* __restrict__ fn,
+                                                            float* __restrict__ mix, int64_t F, int M, float norm_eps) {
+  __shared__ float scratch[kHcThreads / kLanes];
+  const int m = blockIdx.x;
+  const int64_t t = blockIdx.y;
+  const XT* xt = x + t * F;
+  const FT* fr = fn + (int64_t)m * F;
+  float dot = 0.0f, sq = 0.0f;
+  for (int64_t i = threadIdx.x; i < F; i += kHcThreads) {
+    const float v = to_float(xt[i]);
+    dot = __fmaf_rn(v, to_float(fr[i]), dot);
+    sq = __fmaf_rn(v, v, sq);
+  }
+  dot = block_sum(dot, scratch);
+  sq = block_sum(sq, scratch);
+  if (threadIdx.x == 0) mix[t * M + m] = dot * (1.0f / sqrtf(sq / (float)F + norm_eps));
+}
+
+// grid (ceil(D/256), T): gates + Sinkhorn (thread 0, into shared memory), then u[t, d] for this block's d.
+template <class XT>
+__global__ void __launch_bounds__(kHcThreads) hc_collapse_kernel(const XT* __restrict__ x, const float* __restrict__ mix,
+                                                                 const float* __restrict__ base, const float* __restrict__ scale,
+                                                                 float* __restrict__ u, float* __restrict__ post,
+                                                                 float* __restrict__ comb, int n, int64_t D, int iters,
+                                                                 float hc_eps) {
+  __shared__ float s_pre[kMaxHc], s_post[kMaxHc], s_comb[kMaxHc * kMaxHc];
+  const int64_t t = blockIdx.y;
+  const int M = (2 + n) * n;
+  if (threadIdx.x == 0) {
+    hc_gates(mix + t * M, base, scale, n, iters, hc_eps, s_pre, s_post, s_comb);
+    if (blockIdx.x == 0) {
+      for (int j = 0; j < n; ++j) post[t * n + j] = s_post[j];
+      for (int j = 0; j < n * n; ++j) comb[t * n * n + j] = s_comb[j];
+    }
+  }
+  __syncthreads();
+  const int64_t d = (int64_t)blockIdx.x * kHcThreads + threadIdx.x;
+  if (d < D) u[t * D + d] = hc_collapse(x + t * n * D, s_pre, n, D, d);
+}
+
+template <class XT, class FT>
+__global__ void __launch_bounds__(kHcThreads) hc_post_kernel(const FT* __restrict__ f, const XT* __restrict__ x,
+                                                             const float* __restrict__ post, const float* __restrict__ comb,
+                                                             float* __restrict__ out, int n, int64_t D) {
+  const int64_t t = blockIdx.z;
+  const int k = blockIdx.y;
+  const int64_t d = (int64_t)blockIdx.x * kHcThreads + threadIdx.x;
+  if (d < D)
+    out[(t * n + k) * D + d] = hc_post_elem(f + t * D, x + t * n * D, post + t * n, comb + t * n * n, n, D, k, d);
+}
+
+ffi::Error HcPreGpu(gpuStream_t stream, ffi::AnyBuffer streams, ffi::AnyBuffer fn, ffi::AnyBuffer base,
+                    ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> u, ffi::Result<ffi::AnyBuffer> post,
+                    ffi::Result<ffi::AnyBuffer> comb, ffi::Result<ffi::AnyBuffer> mix, int32_t iters, float hc_eps,
+                    float norm_eps) {
+  HcDims d;
+  if (auto e = check_hc_pre(streams, fn, base, scale, &d); e.failure()) return e;
+  if (d.T == 0) return ffi::Error::Success();
+  auto* mp = static_cast<float*>(mix->untyped_data());
+  visit_float(streams.element_type(), [&](auto xt) {
+    using XT = decltype(xt);
+    const auto* xp = static_cast<const XT*>(streams.untyped_data());
+    visit_float(fn.element_type(), [&](auto ft) {
+      using FT = decltype(ft);
+      hc_mix_kernel<XT, FT><<<dim3((unsigned)d.M, (unsigned)d.T), kHcThreads, 0, stream>>>(
+          xp, static_cast<const FT*>(fn.untyped_data()), mp, d.n * d.D, (int)d.M, norm_eps);
+    });
+    hc_collapse_kernel<XT><<<dim3((unsigned)((d.D + kHcThreads - 1) / kHcThreads), (unsigned)d.T), kHcThreads, 0, stream>>>(
+        xp, mp, static_cast<const float*>(base.untyped_data()), static_cast<const float*>(scale.untyped_data()),
+        static_cast<float*>(u->untyped_data()), static_cast<float*>(post->untyped_data()),
+        static_cast<float*>(comb->untyped_data()), (int)d.n, d.D, iters, hc_eps);
+  });
+  return launch_error();
+}
+
+ffi::Error HcPostGpu(gpuStream_t stream, ffi::AnyBuffer block_out, ffi::AnyBuffer streams, ffi::AnyBuffer post,
+                     ffi::AnyBuffer comb, ffi::Result<ffi::AnyBuffer> out) {
+  HcDims d;
+  if (auto e = check_hc_post(block_out, streams, post, comb, &d); e.failure()) return e;
+  if (d.T == 0) return ffi::Error::Success();
+  visit_float(streams.element_type(), [&](auto xt) {
+    using XT = decltype(xt);
+    visit_float(block_out.element_type(), [&](auto ft) {
+      using FT = decltype(ft);
+      const dim3 grid((unsigned)((d.D + kHcThreads - 1) / kHcThreads), (unsigned)d.n, (unsigned)d.T);
+      hc_post_kernel<XT, FT><<<grid, kHcThreads, 0, stream>>>(
+          static_cast<const FT*>(block_out.untyped_data()), static_cast<const XT*>(streams.untyped_data()),
+          static_cast<const float*>(post.untyped_data()), static_cast<const float*>(comb.untyped_data()),
+          static_cast<float*>(out->untyped_data()), (int)d.n, d.D);
+    });
+  });
+  return launch_error();
+}
+
+}  // namespace
+}  // namespace dspark
+
+namespace ffi = xla::ffi;
+#define DSPARK_CAT2(a, b) a##b
+#define DSPARK_CAT(a, b) DSPARK_CAT2(a, b)
+#define DSPARK_GPU_SYMBOL(stem) DSPARK_CAT(stem, DSPARK_GPU_PLATFORM_SUFFIX)
+#define DSPARK_EXPORT extern "C" __attribute__((visibility("default")))
+#define DSPARK_GPU_BIND ffi::Ffi::Bind().Ctx<ffi::PlatformStream<gpuStream_t>>()
+
+DSPARK_EXPORT XLA_FFI_Error* DSPARK_GPU_SYMBOL(DsparkQMatmul)(XLA_FFI_CallFrame*);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DSPARK_GPU_SYMBOL(DsparkQMatmul), dspark::QMatmulGpu,
+                              DSPARK_GPU_BIND.Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()
+                                  .Attr<int32_t>("ggml_type"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+DSPARK_EXPORT XLA_FFI_Error* DSPARK_GPU_SYMBOL(DsparkQMatmulId)(XLA_FFI_CallFrame*);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DSPARK_GPU_SYMBOL(DsparkQMatmulId), dspark::QMatmulIdGpu,
+                              DSPARK_GPU_BIND.Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>().Attr<int32_t>("ggml_type"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+DSPARK_EXPORT XLA_FFI_Error* DSPARK_GPU_SYMBOL(DsparkHcPre)(XLA_FFI_CallFrame*);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DSPARK_GPU_SYMBOL(DsparkHcPre), dspark::HcPreGpu,
+                              DSPARK_GPU_BIND.Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Attr<int32_t>("iters")
+                                  .Attr<float>("hc_eps").Attr<float>("norm_eps"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+DSPARK_EXPORT XLA_FFI_Error* DSPARK_GPU_SYMBOL(DsparkHcPost)(XLA_FFI_CallFrame*);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DSPARK_GPU_SYMBOL(DsparkHcPost), dspark::HcPostGpu,
+                              DSPARK_GPU_BIND.Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>(),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+DSPARK_DEFINE_API_VERSION

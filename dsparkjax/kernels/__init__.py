@@ -1,0 +1,124 @@
+"""Batch-invariant kernels: packed quantized matmul (dense and MoE by expert id) and mHC pre/post.
+
+Every op has two backends with one signature:
+  * "ffi": the compiled XLA FFI plugin (`custom_calls/`, CPU and CUDA). Weights stay packed exactly as stored
+    in the GGUF, accumulation is fp32, and each output row is computed with an order that does not depend
+    on T or on the other rows of the call, so row i of a T-row call is bit-identical to a 1-row call.
+  * "reference": pure jnp (`dsparkjax.kernels.reference`), always available; equal to the FFI result up to
+    fp32 summation order, but XLA's own reductions are not batch-invariant (exactness.md §1).
+`backend=None` picks "ffi" when the plugin for the default JAX platform is loaded, else "reference".
+All ops work inside `jax.jit`; `ggml_type`, the HC hyper-parameters and all shapes are static.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from dsparkjax.errors import DsparkError
+from dsparkjax.kernels import ffi, reference
+from dsparkjax.kernels.ffi import PluginError
+from dsparkjax.kernels.packed import KERNEL_TYPES, check_row_bytes, dequantize
+
+__all__ = [
+    "KERNEL_TYPES",
+    "PluginError",
+    "default_backend",
+    "dequantize",
+    "hc_post",
+    "hc_pre",
+    "qmatmul",
+    "qmatmul_id",
+]
+
+
+def default_backend() -> str:
+    """'ffi' if the plugin for the default JAX platform is loaded, else 'reference'."""
+    return "ffi" if ffi.available() else "reference"
+
+
+def _use_ffi(backend: str | None) -> bool:
+    if backend is None:
+        return ffi.available()
+    if backend == "ffi":
+        ffi.require()
+        return True
+    if backend == "reference":
+        return False
+    raise ValueError(f"backend must be None, 'ffi' or 'reference', got {backend!r}")
+
+
+def _check_2d(name: str, a: jax.Array) -> None:
+    if a.ndim != 2:
+        raise DsparkError(f"{name} must be 2-D [T, ...], got shape {a.shape}")
+
+
+def qmatmul(x: jax.Array, w_packed: jax.Array, ggml_type: int, *, backend: str | None = None) -> jax.Array:
+    """`y = x · Wᵀ` with W packed: x float32|bfloat16 `[T, K]`, w_packed uint8 `[N, row_bytes]` -> f32 `[T, N]`."""
+    _check_2d("x", x)
+    if w_packed.ndim != 2:
+        raise DsparkError(f"w_packed must be uint8 [N, row_bytes], got shape {w_packed.shape}")
+    check_row_bytes(ggml_type, x.shape[1], w_packed.shape[1])
+    impl = ffi if _use_ffi(backend) else reference
+    return impl.qmatmul(x, w_packed, int(ggml_type))
+
+
+def qmatmul_id(
+    x: jax.Array, w_packed: jax.Array, ids: jax.Array, ggml_type: int, *, backend: str | None = None
+) -> jax.Array:
+    """MoE matmul: `y[t, j] = W[ids[t, j]] · x[t]`; ids outside `[0, E)` give zero rows.
+
+    x float32|bfloat16 `[T, K]`, w_packed uint8 `[E, N, row_bytes]`, ids int32 `[T, k]` -> float32 `[T, k, N]`.
+    The GPU kernel reads each selected expert once per call, however many tokens chose it.
+    """
+    _check_2d("x", x)
+    _check_2d("ids", ids)
+    if w_packed.ndim != 3:
+        raise DsparkError(f"w_packed must be uint8 [E, N, row_bytes], got shape {w_packed.shape}")
+    if ids.shape[0] != x.shape[0]:
+        raise DsparkError(f"ids {ids.shape} and x {x.shape} disagree on T")
+    check_row_bytes(ggml_type, x.shape[1], w_packed.shape[2])
+    impl = ffi if _use_ffi(backend) else reference
+    return impl.qmatmul_id(x, w_packed, ids.astype("int32"), int(ggml_type))
+
+
+def hc_pre(
+    streams: jax.Array,
+    fn: jax.Array,
+    base: jax.Array,
+    scale: jax.Array,
+    *,
+    iters: int,
+    hc_eps: float,
+    norm_eps: float,
+    backend: str | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """HC-pre of `dsparkjax.model.hc.hc_pre` with a leading token axis, fp32 inside.
+
+    streams float `[T, n, D]`, fn float `[(2+n)·n, n·D]`, base `[(2+n)·n]`, scale `[3]` ->
+    (u `[T, D]`, post `[T, n]`, comb `[T, n, n]`), float32; comb rows = source stream, columns = destination.
+    """
+    if streams.ndim != 3:
+        raise DsparkError(f"streams must be [T, n, D], got shape {streams.shape}")
+    _t, n, d = streams.shape
+    if fn.shape != ((2 + n) * n, n * d) or base.shape != ((2 + n) * n,) or scale.shape != (3,):
+        raise DsparkError(f"hc_pre: fn {fn.shape}, base {base.shape}, scale {scale.shape} do not fit n={n}, D={d}")
+    impl = ffi if _use_ffi(backend) else reference
+    return impl.hc_pre(streams, fn, base, scale, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps)
+
+
+def hc_post(
+    block_out: jax.Array, streams: jax.Array, post: jax.Array, comb: jax.Array, *, backend: str | None = None
+) -> jax.Array:
+    """HC-post `X'[t, k] = post[t, k]·F[t] + Σ_j comb[t, j, k]·X[t, j]`.
+
+    block_out float `[T, D]`, streams float `[T, n, D]`, post `[T, n]`, comb `[T, n, n]` -> float32 `[T, n, D]`.
+    """
+    if streams.ndim != 3:
+        raise DsparkError(f"streams must be [T, n, D], got shape {streams.shape}")
+    t, n, d = streams.shape
+    if block_out.shape != (t, d) or post.shape != (t, n) or comb.shape != (t, n, n):
+        raise DsparkError(
+            f"hc_post: block_out {block_out.shape}, post {post.shape}, comb {comb.shape} do not fit streams {streams.shape}"
+        )
+    impl = ffi if _use_ffi(backend) else reference
+    return impl.hc_post(block_out, streams, post, comb)

@@ -1,0 +1,170 @@
+"""Loading, version-checking and calling the compiled XLA FFI plugins (`custom_calls/`).
+
+Plugins are shared libraries loaded with ctypes; their handlers are wrapped with `jax.ffi.pycapsule` and
+registered under one target name per op for each platform they serve ("cpu", and "CUDA" exactly, see
+jax_anchors.md §1.2). They are looked up in `$DSPARKJAX_LIB_DIR` if set, else in `dsparkjax/_lib/` next to this package or
+in site-packages (where `pip install .` and the redirecting `pip install -e .` put them). A plugin built against a newer FFI API than the running jaxlib is refused with a
+clear message instead of XLA's late "No FFI handler registered" (jax_anchors.md §1.8).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import os
+import re
+import sysconfig
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsparkjax.errors import DsparkError
+
+BUILD_HINT = (
+    "build it with `pip install -e .` (CMake; `DSPARKJAX_CUDA=ON pip install -e .` adds the CUDA plugin) or "
+    "`bazel build //custom_calls:all` and point DSPARKJAX_LIB_DIR at $(bazel info bazel-bin)/custom_calls"
+)
+
+# op name -> exported handler symbol stem; the symbol is stem + the plugin's suffix.
+_OPS = {
+    "dspark_qmatmul": "DsparkQMatmul",
+    "dspark_qmatmul_id": "DsparkQMatmulId",
+    "dspark_hc_pre": "DsparkHcPre",
+    "dspark_hc_post": "DsparkHcPost",
+}
+
+
+class PluginError(DsparkError):
+    """An FFI plugin is missing, cannot be loaded, or was built for a newer FFI API than the runtime."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _PluginSpec:
+    library: str  # file name
+    platform: str  # jax.ffi.register_ffi_target platform string
+    suffix: str  # handler symbol suffix
+
+
+_PLUGINS = {
+    "cpu": _PluginSpec("libdspark_cpu_ffi.so", "cpu", "Cpu"),
+    "gpu": _PluginSpec("libdspark_cuda_ffi.so", "CUDA", "Cuda"),
+}
+
+
+def lib_dirs() -> list[Path]:
+    """Directories searched for the plugin libraries, in order."""
+    env = os.environ.get("DSPARKJAX_LIB_DIR")
+    if env:
+        return [Path(env)]
+    site = [Path(sysconfig.get_paths()[k]) / "dsparkjax" / "_lib" for k in ("platlib", "purelib")]
+    return list(dict.fromkeys([Path(__file__).resolve().parent.parent / "_lib", *site]))
+
+
+def runtime_ffi_api_version() -> tuple[int, int]:
+    """(major, minor) XLA FFI API version of the running jaxlib, read from the headers it ships."""
+    header = Path(jax.ffi.include_dir()) / "xla" / "ffi" / "api" / "c_api.h"
+    text = header.read_text()
+    major = re.search(r"#define XLA_FFI_API_MAJOR (\d+)", text)
+    minor = re.search(r"#define XLA_FFI_API_MINOR (\d+)", text)
+    if not (major and minor):
+        raise PluginError(f"cannot read the XLA FFI API version from {header}")
+    return int(major.group(1)), int(minor.group(1))
+
+
+def _load(kind: str) -> tuple[int, int]:
+    """Load and register one plugin; returns the FFI API version it was built with, raises PluginError."""
+    spec = _PLUGINS[kind]
+    found = [d / spec.library for d in lib_dirs() if (d / spec.library).exists()]
+    if not found:
+        where = ", ".join(str(d) for d in lib_dirs())
+        raise PluginError(f"dsparkjax FFI plugin {spec.library} was not built (looked in {where}); {BUILD_HINT}")
+    path = found[0]
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        raise PluginError(f"cannot load {path}: {e}") from e
+    built = (lib.DsparkFfiApiMajor(), lib.DsparkFfiApiMinor())
+    runtime = runtime_ffi_api_version()
+    if built[0] != runtime[0] or built[1] > runtime[1]:
+        raise PluginError(
+            f"{path} was built against XLA FFI API {built[0]}.{built[1]} but this jaxlib ({jax.__version__}) "
+            f"provides {runtime[0]}.{runtime[1]}; rebuild it against the oldest supported jaxlib (0.10.2)"
+        )
+    for target, stem in _OPS.items():
+        fn = getattr(lib, stem + spec.suffix)
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(fn), platform=spec.platform)
+    return built
+
+
+_STATUS: dict[str, PluginError | None] = {}  # plugin kind -> None when loaded, else why not
+BUILT_FFI_API: dict[str, tuple[int, int]] = {}  # plugin kind -> (major, minor) of the headers it was built with
+for _kind in _PLUGINS:
+    try:
+        BUILT_FFI_API[_kind] = _load(_kind)
+        _STATUS[_kind] = None
+    except PluginError as _e:
+        _STATUS[_kind] = _e
+
+
+def platform_kind() -> str:
+    """'cpu' or 'gpu': which plugin serves the default JAX backend."""
+    return "cpu" if jax.default_backend() == "cpu" else "gpu"
+
+
+def available(kind: str | None = None) -> bool:
+    """True if the plugin for `kind` (default: the current platform) is loaded and registered."""
+    return _STATUS.get(kind or platform_kind()) is None
+
+
+def require(kind: str | None = None) -> None:
+    """Raise the PluginError explaining why the plugin for `kind` (default: current platform) is unusable."""
+    err = _STATUS.get(kind or platform_kind(), PluginError(f"no dsparkjax FFI plugin for platform {kind}"))
+    if err is not None:
+        raise err
+
+
+def _call(target: str, out: object, *args: jax.Array, **attrs: np.generic):
+    return jax.ffi.ffi_call(target, out, vmap_method="broadcast_all")(*args, **attrs)
+
+
+def qmatmul(x: jax.Array, w_packed: jax.Array, ggml_type: int) -> jax.Array:
+    """FFI packed matmul: x `[T, K]` (f32|bf16), w_packed uint8 `[N, row_bytes]` -> float32 `[T, N]`."""
+    out = jax.ShapeDtypeStruct((x.shape[0], w_packed.shape[0]), jnp.float32)
+    return _call("dspark_qmatmul", out, x, w_packed, ggml_type=np.int32(ggml_type))
+
+
+def qmatmul_id(x: jax.Array, w_packed: jax.Array, ids: jax.Array, ggml_type: int) -> jax.Array:
+    """FFI MoE matmul: x `[T, K]`, w_packed uint8 `[E, N, row_bytes]`, ids int32 `[T, k]` -> f32 `[T, k, N]`."""
+    out = jax.ShapeDtypeStruct((x.shape[0], ids.shape[1], w_packed.shape[1]), jnp.float32)
+    return _call("dspark_qmatmul_id", out, x, w_packed, ids, ggml_type=np.int32(ggml_type))
+
+
+def hc_pre(
+    streams: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, *, iters: int, hc_eps: float,
+    norm_eps: float,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """FFI HC-pre: streams `[T, n, D]` -> (u `[T, D]`, post `[T, n]`, comb `[T, n, n]`), all float32.
+
+    The kernel's fourth output, the normalised mix `[T, (2+n)·n]`, is its workspace and is dropped here.
+    """
+    t, n, d = streams.shape
+    f32 = jnp.float32
+    outs = (
+        jax.ShapeDtypeStruct((t, d), f32),
+        jax.ShapeDtypeStruct((t, n), f32),
+        jax.ShapeDtypeStruct((t, n, n), f32),
+        jax.ShapeDtypeStruct((t, fn.shape[0]), f32),
+    )
+    u, post, comb, _ = _call(
+        "dspark_hc_pre", outs, streams, fn, base.astype(f32), scale.astype(f32),
+        iters=np.int32(iters), hc_eps=np.float32(hc_eps), norm_eps=np.float32(norm_eps),
+    )
+    return u, post, comb
+
+
+def hc_post(block_out: jax.Array, streams: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:
+    """FFI HC-post: `X'[t, k] = post[t, k]·F[t] + Σ_j comb[t, j, k]·X[t, j]` -> float32 `[T, n, D]`."""
+    out = jax.ShapeDtypeStruct(streams.shape, jnp.float32)
+    return _call("dspark_hc_post", out, block_out, streams, post.astype(jnp.float32), comb.astype(jnp.float32))

@@ -1,0 +1,36 @@
+"""Pure-jnp reference of every kernel op: what the FFI kernels must compute (up to fp32 summation order).
+
+Packed matmuls dequantize with `dsparkjax.kernels.packed` and multiply in float32 at HIGHEST precision. The
+HC ops are the model's own reference, `dsparkjax.model.hc` (there is deliberately no second jnp HC).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dsparkjax.kernels import packed
+from dsparkjax.model.hc import hc_post, hc_pre
+
+__all__ = ["hc_post", "hc_pre", "qmatmul", "qmatmul_id"]
+
+_HI = jax.lax.Precision.HIGHEST
+
+
+def qmatmul(x: jax.Array, w_packed: jax.Array, ggml_type: int) -> jax.Array:
+    """`y[t, n] = Σ_k x[t, k] · W[n, k]`: x float `[T, K]`, w_packed uint8 `[N, row_bytes]` -> float32 `[T, N]`."""
+    w = packed.dequantize(w_packed, ggml_type, x.shape[-1])
+    return jnp.einsum("tk,nk->tn", x.astype(jnp.float32), w, precision=_HI)
+
+
+def qmatmul_id(x: jax.Array, w_packed: jax.Array, ids: jax.Array, ggml_type: int) -> jax.Array:
+    """MoE form: `y[t, j, :] = W[ids[t, j]] · x[t]`; rows for ids outside `[0, E)` are zero.
+
+    x float `[T, K]`, w_packed uint8 `[E, N, row_bytes]`, ids int32 `[T, k]` -> float32 `[T, k, N]`.
+    Only the selected experts are gathered and dequantized.
+    """
+    n_experts = w_packed.shape[0]
+    valid = (ids >= 0) & (ids < n_experts)
+    w = packed.dequantize(w_packed[jnp.where(valid, ids, 0)], ggml_type, x.shape[-1])  # [T, k, N, K]
+    y = jnp.einsum("tk,tjnk->tjn", x.astype(jnp.float32), w, precision=_HI)
+    return jnp.where(valid[..., None], y, 0.0)

@@ -1,0 +1,141 @@
+"""Benchmark the packed matmul kernels at DS4-Flash decode shapes against the device's copy bandwidth.
+
+For each format, shape and T = 1..--t_max: time per call, achieved GB/s of weight bytes read (each distinct
+expert counted once), that as a fraction of the device copy bandwidth measured in the same run
+(read + write of a --copy_mib buffer), and the ratio time(T) / time(1). Prints a table; --json_out writes
+the rows. Each timed program runs --calls independent calls inside one jit (distinct activations, so XLA
+cannot merge them), which amortises Python dispatch; the time per call is the program time / --calls.
+
+  python scripts/bench_kernels.py --formats=Q8_0,IQ2_XXS --t_max=5 --json_out=/tmp/bench.json
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+from dsparkjax import kernels
+from dsparkjax.formats import GGMLType
+from dsparkjax.kernels import synthetic
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list(
+    "formats",
+    "Q8_0,Q2_K,IQ2_XXS,Q4_0_ROCMFP4_FAST,Q4_0_ROCMFP4,Q2_0_ROCMFP2,Q3_0_ROCMFPX,Q6_0_ROCMFPX,Q8_0_ROCMFPX",
+    "GGMLType names to benchmark",
+)
+flags.DEFINE_list("shapes", "attn_a,wide_b,grouped_o,dense_8k,exp_up6,exp_up24,exp_down6,exp_down24", "shape names")
+flags.DEFINE_integer("t_max", 5, "largest T (rows per call)")
+flags.DEFINE_integer("calls", 20, "independent calls per timed program")
+flags.DEFINE_integer("reps", 10, "timed repetitions (median reported)")
+flags.DEFINE_integer("copy_mib", 1024, "buffer size of the copy-bandwidth probe")
+flags.DEFINE_enum("backend", "ffi", ["ffi", "reference"], "kernel backend")
+flags.DEFINE_string("json_out", None, "write the result rows to this JSON file")
+
+N_EXPERTS = 256
+# name -> (K, N, groups, selected experts per token or 0 for dense)
+SHAPES = {
+    "attn_a": (4096, 1024, 1, 0),  # 4096 -> 1024
+    "wide_b": (1024, 32768, 1, 0),  # 1024 -> 32768
+    "grouped_o": (4096, 1024, 8, 0),  # 32768 in 8 groups of 4096 -> 1024 each
+    "dense_8k": (8192, 4096, 1, 0),  # 8192 -> 4096
+    "exp_up6": (4096, 2048, 1, 6),  # routed expert gate/up, 6 of 256 per token
+    "exp_up24": (4096, 2048, 1, 24),
+    "exp_down6": (2048, 4096, 1, 6),  # routed expert down
+    "exp_down24": (2048, 4096, 1, 24),
+}
+
+
+def median_seconds(fn: Callable[..., jax.Array], *args: jax.Array, reps: int) -> float:
+    """Median wall time of fn(*args) to completion, after one warm-up (compile) call."""
+    fn(*args).block_until_ready()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn(*args).block_until_ready()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def copy_bandwidth(mib: int, reps: int) -> float:
+    """Bytes/s of a device copy (read + write) of a `mib` MiB buffer."""
+    buf = jnp.zeros((mib << 20) // 4, jnp.float32)
+    f = jax.jit(lambda b: b + 1.0)
+    return 2 * buf.nbytes / median_seconds(f, buf, reps=reps)
+
+
+def distinct_expert_ids(key: jax.Array, t_rows: int, k: int) -> np.ndarray:
+    """ids int32 [t_rows, k]: each token's k experts are distinct (a top-k never repeats an expert)."""
+    keys = jax.random.split(key, t_rows)
+    return np.stack([np.asarray(jax.random.permutation(kk, N_EXPERTS))[:k] for kk in keys]).astype(np.int32)
+
+
+def bench_shape(t: GGMLType, name: str, t_max: int) -> list[dict]:
+    """Rows of results for one format and shape, T = 1..t_max."""
+    k_dim, n, groups, topk = SHAPES[name]
+    key = jax.random.PRNGKey(int(t))
+    experts = topk > 0
+    lead = (N_EXPERTS, n) if experts else (groups * n,)
+    w = synthetic.random_packed(key, t, lead, k_dim)
+    if not experts and groups > 1:
+        w = w.reshape(groups, n, -1)
+    calls, backend = FLAGS.calls, FLAGS.backend
+
+    @jax.jit
+    def moe_prog(xs: jax.Array, w: jax.Array, ids: jax.Array) -> jax.Array:
+        return sum(jnp.sum(kernels.qmatmul_id(xs[c, 0], w, ids, t, backend=backend)) for c in range(calls))
+
+    @jax.jit
+    def dense_prog(xs: jax.Array, w: jax.Array) -> jax.Array:
+        wg = w.reshape(groups, n, -1)
+        return sum(
+            jnp.sum(kernels.qmatmul(xs[c, g], wg[g], t, backend=backend)) for c in range(calls) for g in range(groups)
+        )
+
+    rows, base = [], None
+    for t_rows in range(1, t_max + 1):
+        xs = jax.random.normal(jax.random.fold_in(key, t_rows), (calls, groups, t_rows, k_dim), jnp.float32)
+        if experts:
+            ids = jnp.asarray(distinct_expert_ids(jax.random.fold_in(key, 99 + t_rows), t_rows, topk))
+            moved = len(np.unique(np.asarray(ids))) * w.shape[1] * w.shape[2]
+            sec = median_seconds(moe_prog, xs, w, ids, reps=FLAGS.reps) / calls
+        else:
+            moved = w.size
+            sec = median_seconds(dense_prog, xs, w, reps=FLAGS.reps) / calls
+        base = base or sec
+        rows.append(
+            {"format": t.name, "shape": name, "T": t_rows, "us": sec * 1e6, "bytes": int(moved),
+             "gbps": moved / sec / 1e9, "ratio_vs_T1": sec / base}
+        )
+    return rows
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    print(f"jax {jax.__version__}, device {jax.devices()[0].device_kind}, backend {FLAGS.backend}")
+    copy_bw = copy_bandwidth(FLAGS.copy_mib, FLAGS.reps)
+    print(f"device copy bandwidth (read + write of {FLAGS.copy_mib} MiB): {copy_bw / 1e9:.0f} GB/s")
+    print(f"{'format':20s} {'shape':11s} {'T':>2s} {'us':>9s} {'GB/s':>7s} {'%copy':>6s} {'T/T1':>5s}")
+    results = []
+    for fmt in FLAGS.formats:
+        for name in FLAGS.shapes:
+            for r in bench_shape(GGMLType[fmt], name, FLAGS.t_max):
+                r["frac_copy"] = r["gbps"] * 1e9 / copy_bw
+                results.append(r)
+                print(f"{r['format']:20s} {r['shape']:11s} {r['T']:2d} {r['us']:9.1f} {r['gbps']:7.1f} "
+                      f"{100 * r['frac_copy']:5.0f}% {r['ratio_vs_T1']:5.2f}", flush=True)
+    if FLAGS.json_out:
+        with open(FLAGS.json_out, "w") as f:
+            json.dump({"jax": jax.__version__, "device": jax.devices()[0].device_kind, "copy_gbps": copy_bw / 1e9,
+                           "backend": FLAGS.backend, "calls": FLAGS.calls, "rows": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    app.run(main)
