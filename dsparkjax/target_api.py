@@ -17,7 +17,9 @@ import numpy as np
 from dsparkjax.aot import AotFunction
 from dsparkjax.config import TargetConfig
 from dsparkjax.errors import DsparkError, TokenIdError
+from dsparkjax import formats
 from dsparkjax.ggufio.contract import open_target
+from dsparkjax.ggufio.reader import GGUFFile
 from dsparkjax.model.params import TargetParams, load_target_params
 from dsparkjax.model.state import commit, init_state
 from dsparkjax.model.target import StepOptions, TargetModel
@@ -35,9 +37,11 @@ class Target:
     dtype: Any
     simulate_qat: bool
     tokenizer: Any  # dsparkjax.tokenizer.Tokenizer, or None when the file has no tokenizer
+    kernels: str = "dequantize"  # how matrices run: "dequantize" (dense), "ffi" or "reference" (packed)
 
     def options(self, capture_layers: tuple[int, ...] = ()) -> StepOptions:
-        return StepOptions(simulate_qat=self.simulate_qat, capture_layers=capture_layers)
+        return StepOptions(simulate_qat=self.simulate_qat, capture_layers=capture_layers,
+                           hc_kernel="ffi" if self.kernels == "ffi" else None)
 
     def check_tokens(self, tokens: np.ndarray, what: str = "token ids") -> None:
         """Reject ids outside the vocabulary (and so outside the hash-routing tables) before anything runs."""
@@ -48,23 +52,45 @@ class Target:
                                f"[0, {self.config.vocab_size}) of {self.path}")
 
 
-def load_target(path: str, *, dtype: str = "float32", simulate_qat: bool = True, progress: bool = False) -> Target:
-    """Open a `deepseek4` GGUF, check its contract, and load its weights in `dtype` ("float32" or "bfloat16")."""
+def load_target(path: str, *, dtype: str = "float32", simulate_qat: bool = True, progress: bool = False,
+                kernels: str = "auto") -> Target:
+    """Open a `deepseek4` GGUF, check its contract, and load its weights in `dtype` ("float32" or "bfloat16").
+
+    kernels: "dequantize" turns every weight into a dense array at load; "ffi" keeps quantized weights packed
+    and multiplies them with the XLA FFI kernels (and runs the HC mixes there too); "reference" keeps them
+    packed for the kernels' pure-jnp reference; "auto" is "ffi" when the plugin is loaded, else "reference",
+    for files with quantized weights, and "dequantize" for float files.
+    """
     if dtype not in DTYPES:
         raise DsparkError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if kernels not in ("auto", "dequantize", "ffi", "reference"):
+        raise DsparkError(f"kernels must be 'auto', 'dequantize', 'ffi' or 'reference', got {kernels!r}")
     file, cfg = open_target(path)
+    kernels = _kernel_choice(kernels, file)
     wrap = iter
     if progress:
         from tqdm import tqdm
 
         wrap = functools.partial(tqdm, desc=f"loading {path}", unit="layer")
-    params = load_target_params(file, cfg, DTYPES[dtype], wrap)
+    params = load_target_params(file, cfg, DTYPES[dtype], wrap, None if kernels == "dequantize" else kernels)
     tokenizer = None
     if "tokenizer.ggml.model" in file.metadata:
         from dsparkjax.tokenizer import Tokenizer
 
         tokenizer = Tokenizer.from_metadata(file.metadata, file.path)
-    return Target(file.path, cfg, params, DTYPES[dtype], simulate_qat, tokenizer)
+    return Target(file.path, cfg, params, DTYPES[dtype], simulate_qat, tokenizer, kernels)
+
+
+def _kernel_choice(kernels: str, file: GGUFFile) -> str:
+    """Resolve "auto": packed kernels for files with quantized weights, dense weights otherwise."""
+    from dsparkjax import kernels as kernel_ops
+
+    if kernels == "ffi":
+        kernel_ops.ffi.require()
+    if kernels != "auto":
+        return kernels
+    quantized = any(formats.block_size(t.ggml_type) > 1 for t in file.tensors.values())
+    return kernel_ops.default_backend() if quantized else "dequantize"
 
 
 @functools.lru_cache(maxsize=None)

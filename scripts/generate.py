@@ -35,6 +35,7 @@ _DRAFT = flags.DEFINE_string("draft", None, "DSpark drafter GGUF (default: the e
 _PROMPT = flags.DEFINE_multi_string("prompt", [], "A text prompt (repeatable).")
 _PROMPT_IDS = flags.DEFINE_multi_string("prompt_ids", [], "A prompt as comma-separated token ids (repeatable).")
 _PROMPTS_FILE = flags.DEFINE_string("prompts_file", None, "Prompts file: one per line, or JSONL with chat messages.")
+flags.DEFINE_alias("prompts-file", "prompts_file")
 _CHAT = flags.DEFINE_bool("chat", False, "Apply the DeepSeek-V4 chat template to text prompts.")
 _THINKING = flags.DEFINE_bool("thinking", False, "With --chat: open a thinking block in the generation prompt.")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 32, "Tokens to generate per prompt.")

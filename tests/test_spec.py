@@ -14,15 +14,8 @@ import functools
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
-
-from dsparkjax.errors import DsparkError, TokenIdError
-from dsparkjax.model.drafter import DrafterModel
-from dsparkjax.model.layers import rms_norm
-from dsparkjax.spec.generate import generate
-from dsparkjax.spec.proposer import load_drafter
-from dsparkjax.spec.width import WidthPolicy, accepted_candidates
-from dsparkjax.target_api import load_target
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from model_helpers import (
     decode_single,
     fresh_state,
@@ -34,7 +27,15 @@ from model_helpers import (
     tiny_target_model,
     visible_state,
 )
-from spec_helpers import oracle_for
+
+from dsparkjax.errors import DsparkError, TokenIdError
+from dsparkjax.model.drafter import DrafterModel
+from dsparkjax.model.layers import rms_norm
+from dsparkjax.spec.generate import generate
+from dsparkjax.spec.oracle import oracle_for
+from dsparkjax.spec.proposer import load_drafter
+from dsparkjax.spec.width import WidthPolicy, accepted_candidates
+from dsparkjax.target_api import load_target
 
 VOCAB = 512
 

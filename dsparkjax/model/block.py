@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from dsparkjax.model.hc import hc_post, hc_pre
 from dsparkjax.model.layers import apply_rope, fp8_kv_sim, grouped_output, rms_norm, sink_attention, swiglu
-from dsparkjax.model.params import Attention, Block, MoE
+from dsparkjax.model.params import Attention, Block, HyperConnection, MoE
 from dsparkjax.model.weights import expert_linear, linear
 
 Aux = TypeVar("Aux")
@@ -62,18 +62,41 @@ def attention_output(at: Attention, out: jax.Array, positions: jax.Array, freqs:
 
 def block_forward(blk: Block, streams: jax.Array, cfg: Any,
                   attention: Callable[[jax.Array], tuple[jax.Array, Aux]],
-                  ffn: Callable[[jax.Array], jax.Array]) -> tuple[jax.Array, Aux]:
+                  ffn: Callable[[jax.Array], jax.Array], hc_kernel: str | None = None) -> tuple[jax.Array, Aux]:
     """One block on the HC streams `[B, Q, n, D]`; `attention(x)` returns (output, aux), `ffn(x)` the output.
+
+    `hc_kernel` None computes the HC mixes with the jnp reference (`model/hc.py`), "ffi" with the custom call.
 
     Returns (new streams float32 `[B, Q, n, D]`, the attention's aux value, e.g. its updated cache).
     """
-    hc = dict(iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
-    u, post, comb = hc_pre(streams, blk.hc_attn.fn, blk.hc_attn.base, blk.hc_attn.scale, **hc)
+    pre, post_fn = _hc_ops(hc_kernel, cfg)
+    u, post, comb = pre(streams, blk.hc_attn)
     attn_out, aux = attention(rms_norm(u, blk.attn.norm, cfg.rms_norm_eps))
-    streams = hc_post(attn_out, streams, post, comb)
-    u, post, comb = hc_pre(streams, blk.hc_ffn.fn, blk.hc_ffn.base, blk.hc_ffn.scale, **hc)
+    streams = post_fn(attn_out, streams, post, comb)
+    u, post, comb = pre(streams, blk.hc_ffn)
     ffn_out = ffn(rms_norm(u, blk.moe.norm, cfg.rms_norm_eps))
-    return hc_post(ffn_out, streams, post, comb), aux
+    return post_fn(ffn_out, streams, post, comb), aux
+
+
+def _hc_ops(hc_kernel: str | None, cfg: Any) -> tuple[Callable, Callable]:
+    """HC-pre/HC-post on `[B, Q, n, D]` streams: the jnp reference (`hc_kernel` None) or a kernel backend."""
+    hp = dict(iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
+    if hc_kernel is None:
+        return (lambda x, h: hc_pre(x, h.fn, h.base, h.scale, **hp)), hc_post
+    from dsparkjax import kernels
+
+    def pre(x: jax.Array, h: HyperConnection) -> tuple[jax.Array, jax.Array, jax.Array]:
+        lead = x.shape[:-2]
+        u, post, comb = kernels.hc_pre(x.reshape(-1, *x.shape[-2:]), h.fn, h.base, h.scale, backend=hc_kernel, **hp)
+        return u.reshape(*lead, -1), post.reshape(*lead, -1), comb.reshape(*lead, *comb.shape[-2:])
+
+    def post_fn(f: jax.Array, x: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:
+        n, d = x.shape[-2:]
+        out = kernels.hc_post(f.reshape(-1, d), x.reshape(-1, n, d), post.reshape(-1, n), comb.reshape(-1, n, n),
+                              backend=hc_kernel)
+        return out.reshape(x.shape)
+
+    return pre, post_fn
 
 
 def attend(heads: jax.Array, key_sets: list[tuple[jax.Array, jax.Array]], sinks: jax.Array | None, scale: float

@@ -44,8 +44,8 @@ def init_drafter_state(cfg: DrafterConfig, batch: int, max_step: int, dtype: jnp
 class DrafterModel:
     """Static pieces of the drafter (config, options, RoPE table); methods are pure functions."""
 
-    def __init__(self, cfg: DrafterConfig, simulate_qat: bool):
-        self.cfg, self.simulate_qat = cfg, simulate_qat
+    def __init__(self, cfg: DrafterConfig, simulate_qat: bool, hc_kernel: str | None = None):
+        self.cfg, self.simulate_qat, self.hc_kernel = cfg, simulate_qat, hc_kernel
         self.freqs = rope_frequencies(cfg.rope_dim, cfg.rope_theta)
 
     def absorb(self, params: DrafterParams, state: DrafterState, features: jax.Array, positions: jax.Array
@@ -85,7 +85,7 @@ class DrafterModel:
                                  cfg.routed_scaling_factor)
             return moe_output(stage.moe, x, ids, weights, cfg.swiglu_limit, cfg.swiglu_limit)
 
-        streams, _ = block_forward(stage, streams, cfg, attention, ffn)
+        streams, _ = block_forward(stage, streams, cfg, attention, ffn, self.hc_kernel)
         return streams
 
     def propose(self, params: DrafterParams, embed: jax.Array, head: jax.Array, state: DrafterState,

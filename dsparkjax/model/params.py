@@ -18,7 +18,12 @@ from flax import struct
 from dsparkjax.config import DrafterConfig, TargetConfig
 from dsparkjax.errors import GGUFContractError
 from dsparkjax.ggufio.contract import check_tensor_bytes
+from dsparkjax.formats import GGMLType
 from dsparkjax.ggufio.reader import GGUFFile
+from dsparkjax.kernels.packed import KERNEL_TYPES
+from dsparkjax.model.weights import PackedWeight, Weight
+
+_FLOAT = frozenset({GGMLType.F32, GGMLType.F16, GGMLType.BF16})
 
 
 @struct.dataclass
@@ -31,14 +36,14 @@ class HyperConnection:
 @struct.dataclass
 class Attention:
     norm: jax.Array  # [D] attn_norm
-    wq_a: jax.Array  # [r_q, D]
+    wq_a: Weight  # [r_q, D]
     q_norm: jax.Array  # [r_q]
-    wq_b: jax.Array  # [H·d, r_q]
-    wkv: jax.Array  # [d, D]
+    wq_b: Weight  # [H·d, r_q]
+    wkv: Weight  # [d, D]
     kv_norm: jax.Array  # [d]
     sinks: jax.Array | None  # [H]
-    wo_a: jax.Array  # [g·r_o, H·d/g]
-    wo_b: jax.Array  # [D, g·r_o]
+    wo_a: Weight  # [g·r_o, H·d/g]
+    wo_b: Weight  # [D, g·r_o]
 
 
 @struct.dataclass
@@ -51,8 +56,8 @@ class Compressor:
 
 @struct.dataclass
 class Indexer:
-    wq_b: jax.Array  # [Hi·di, r_q]
-    weights_proj: jax.Array  # [Hi, D]
+    wq_b: Weight  # [Hi·di, r_q]
+    weights_proj: Weight  # [Hi, D]
     compressor: Compressor
 
 
@@ -62,12 +67,12 @@ class MoE:
     router: jax.Array  # [E, D] float32
     bias: jax.Array | None  # [E] selection bias (learned-routing layers)
     tid2eid: jax.Array | None  # int32 [V, k] (hash layers)
-    gate: jax.Array  # [E, I, D]
-    up: jax.Array  # [E, I, D]
-    down: jax.Array  # [E, D, I]
-    shared_gate: jax.Array  # [I, D]
-    shared_up: jax.Array  # [I, D]
-    shared_down: jax.Array  # [D, I]
+    gate: Weight  # [E, I, D]
+    up: Weight  # [E, I, D]
+    down: Weight  # [E, D, I]
+    shared_gate: Weight  # [I, D]
+    shared_up: Weight  # [I, D]
+    shared_down: Weight  # [D, I]
 
 
 @struct.dataclass
@@ -86,7 +91,7 @@ class TargetParams:
     blocks: tuple[Block, ...]
     hc_head: HyperConnection
     norm: jax.Array  # [D]
-    head: jax.Array  # [V, D]
+    head: Weight  # [V, D]
 
 
 @struct.dataclass
@@ -94,31 +99,37 @@ class DrafterParams:
     stages: tuple[Block, ...]
     hc_head: HyperConnection
     norm: jax.Array  # [D] the drafter's own final norm
-    fc: jax.Array  # [D, n_cap·D] main_proj
+    fc: Weight  # [D, n_cap·D] main_proj
     hidden_norm: jax.Array  # [D] main_norm
     markov_w1: jax.Array  # [V, r]
-    markov_w2: jax.Array  # [V, r]
+    markov_w2: Weight  # [V, r]
     confidence_w: jax.Array | None  # [conf_dim]
     confidence_b: jax.Array | None  # [] (absent in DeepSeek's head; lucebox writes a zero)
 
 
-Getter = Callable[[str, bool], jax.Array | None]
+def _getter(file: GGUFFile, dtype: jnp.dtype, pack: str | None) -> Callable[..., jax.Array | PackedWeight | None]:
+    """`get(name, kind)` loads one tensor, checking its bytes first.
 
+    kind "matrix": a weight multiplied by `linear`/`expert_linear` — kept packed as a PackedWeight when
+    `pack` names a kernel backend and the tensor is quantized, else dequantized to the compute dtype;
+    "table": a lookup table (embeddings) in the compute dtype; "f32": float32; "opt": float32 or None.
+    """
 
-def _getter(file: GGUFFile, dtype: jnp.dtype) -> Callable[[str, str], jax.Array | None]:
-    """`get(name, kind)` loads a tensor: kind "matrix" in the compute dtype, "f32" in float32, "opt" f32 or None."""
-
-    def get(name: str, kind: str = "f32") -> jax.Array | None:
+    def get(name: str, kind: str = "f32") -> jax.Array | PackedWeight | None:
         if name not in file.tensors:
             if kind == "opt":
                 return None
             raise GGUFContractError(file.path, f"tensor {name}", "present", "missing")
         info = file.tensors[name]
-        check_tensor_bytes(file.path, info, file.raw(name))
+        raw = file.raw(name)
+        check_tensor_bytes(file.path, info, raw)
+        if kind == "matrix" and pack is not None and info.ggml_type in KERNEL_TYPES and info.ggml_type not in _FLOAT:
+            data = jnp.asarray(raw.reshape(*info.shape[:-1], raw.shape[-1]))
+            return PackedWeight(data, int(info.ggml_type), info.shape[-1], jnp.dtype(dtype), pack)
         values = file.array(name)
         if values.dtype == np.int32:
             return jnp.asarray(values)
-        return jnp.asarray(values, dtype if kind == "matrix" else jnp.float32)
+        return jnp.asarray(values, dtype if kind in ("matrix", "table") else jnp.float32)
 
     return get
 
@@ -151,10 +162,14 @@ def _moe(get: Callable, p: str, hashed: bool, n_experts: int, path: str) -> MoE:
                get(p + "ffn_up_shexp.weight", m), get(p + "ffn_down_shexp.weight", m))
 
 
-def load_target_params(file: GGUFFile, cfg: TargetConfig, dtype: jnp.dtype, progress: Callable = iter
-                       ) -> TargetParams:
-    """Read every target tensor (checking its bytes) into a TargetParams pytree."""
-    get = _getter(file, dtype)
+def load_target_params(file: GGUFFile, cfg: TargetConfig, dtype: jnp.dtype, progress: Callable = iter,
+                       pack: str | None = None) -> TargetParams:
+    """Read every target tensor (checking its bytes) into a TargetParams pytree.
+
+    pack: None dequantizes every weight at load; "ffi" or "reference" keeps quantized matrices packed, for
+    the kernels of that backend.
+    """
+    get = _getter(file, dtype, pack)
     blocks = []
     for i in progress(range(cfg.num_layers)):
         p = f"blk.{i}."
@@ -166,13 +181,14 @@ def load_target_params(file: GGUFFile, cfg: TargetConfig, dtype: jnp.dtype, prog
                               _compressor(get, p + "indexer_compressor"))
         blocks.append(Block(_hc(get, p + "hc_attn"), _attention(get, p), compressor, indexer, _hc(get, p + "hc_ffn"),
                             _moe(get, p, cfg.is_hash_layer(i), cfg.n_routed_experts, file.path)))
-    return TargetParams(get("token_embd.weight", "matrix"), tuple(blocks), _hc(get, "output_hc"),
+    return TargetParams(get("token_embd.weight", "table"), tuple(blocks), _hc(get, "output_hc"),
                         get("output_norm.weight"), get("output.weight", "matrix"))
 
 
-def load_drafter_params(file: GGUFFile, cfg: DrafterConfig, dtype: jnp.dtype) -> DrafterParams:
-    """Read every drafter tensor (checking its bytes) into a DrafterParams pytree."""
-    get = _getter(file, dtype)
+def load_drafter_params(file: GGUFFile, cfg: DrafterConfig, dtype: jnp.dtype, pack: str | None = None
+                        ) -> DrafterParams:
+    """Read every drafter tensor (checking its bytes) into a DrafterParams pytree (`pack` as for the target)."""
+    get = _getter(file, dtype, pack)
     stages = tuple(
         Block(_hc(get, f"blk.{s}.hc_attn"), _attention(get, f"blk.{s}."), None, None, _hc(get, f"blk.{s}.hc_ffn"),
               _moe(get, f"blk.{s}.", False, cfg.n_routed_experts, file.path))
@@ -180,7 +196,7 @@ def load_drafter_params(file: GGUFFile, cfg: DrafterConfig, dtype: jnp.dtype) ->
     conf_w = get("dflash.dspark.confidence.weight", "opt")
     conf_b = get("dflash.dspark.confidence.bias", "opt")
     return DrafterParams(stages, _hc(get, "output_hc"), get("output_norm.weight"), get("dflash.fc.weight", "matrix"),
-                         get("dflash.hidden_norm.weight"), get("dflash.dspark.markov.w1", "matrix"),
+                         get("dflash.hidden_norm.weight"), get("dflash.dspark.markov.w1", "table"),
                          get("dflash.dspark.markov.w2", "matrix"),
                          None if conf_w is None else conf_w.reshape(-1),
                          None if conf_b is None else conf_b.reshape(()))

@@ -38,6 +38,7 @@ class StepOptions:
     simulate_qat: bool = True  # FP8 KV and FP4+Hadamard indexer rounding of the official model (§6.2)
     capture_layers: tuple[int, ...] = ()  # layers whose HC streams feed the drafter
     capture_point: Literal["after", "entering"] = "after"  # V4-Flash: after (dspark_reference.md §1)
+    hc_kernel: str | None = None  # None: jnp HC mixes; "ffi": the mHC custom call
 
 
 def _batch_index(x: jax.Array) -> jax.Array:
@@ -176,7 +177,7 @@ class TargetModel:
         """One layer on the HC streams `[B, Q, n, D]`."""
         return block_forward(blk, streams, self.cfg,
                              lambda x: self.attention(layer, blk, x, positions, cache),
-                             lambda x: self.moe(layer, blk.moe, x, tokens))
+                             lambda x: self.moe(layer, blk.moe, x, tokens), self.options.hc_kernel)
 
     def step(self, params: TargetParams, state: DecodeState, tokens: jax.Array
              ) -> tuple[jax.Array, jax.Array, DecodeState]:

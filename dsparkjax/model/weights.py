@@ -1,8 +1,10 @@
-"""Weights as data: a dense array (dequantized at load) and the one matmul helper every layer calls.
+"""Weights as data, and the two matmul helpers every layer calls.
 
-A weight is stored in PyTorch orientation `[out, in]` (`[E, out, in]` for expert stacks), the numpy shape
-of its GGUF tensor. `linear` accumulates in float32 and, for float32 weights, asks for full float32
-precision so that GPUs do not silently use TF32.
+A weight is either a dense array (dequantized at load) or a `PackedWeight`: the tensor's bytes exactly as
+stored in the GGUF, multiplied by the packed quantized matmul kernels (`dsparkjax.kernels`, FFI or their
+jnp reference). Both are held in PyTorch orientation `[out, in]` (`[E, out, in]` for expert stacks), the
+numpy shape of the GGUF tensor. Results are float32; float32 dense weights ask for full float32 precision
+so that GPUs do not silently use TF32.
 """
 
 from __future__ import annotations
@@ -11,12 +13,42 @@ from typing import Union
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
-Weight = Union[jax.Array]
+
+@struct.dataclass
+class PackedWeight:
+    """A quantized weight kept packed: uint8 `[out, row_bytes]` or `[E, out, row_bytes]` plus its format."""
+
+    data: jax.Array
+    ggml_type: int = struct.field(pytree_node=False)
+    in_features: int = struct.field(pytree_node=False)
+    dtype: jnp.dtype = struct.field(pytree_node=False)  # activation dtype fed to the kernel
+    backend: str = struct.field(pytree_node=False)  # "ffi" or "reference"
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (*self.data.shape[:-1], self.in_features)
+
+    def reshape_rows(self, groups: int) -> list[PackedWeight]:
+        """Split a 2-D weight's output rows into `groups` equal packed weights (a grouped projection)."""
+        rows = self.data.shape[0] // groups
+        return [self.replace(data=self.data[j * rows : (j + 1) * rows]) for j in range(groups)]
+
+
+Weight = Union[jax.Array, PackedWeight]
 
 
 def _precision(w: jax.Array) -> jax.lax.Precision:
     return jax.lax.Precision.HIGHEST if w.dtype == jnp.float32 else jax.lax.Precision.DEFAULT
+
+
+def _packed_linear(x: jax.Array, w: PackedWeight) -> jax.Array:
+    from dsparkjax import kernels
+
+    flat = x.reshape(-1, x.shape[-1]).astype(w.dtype)
+    y = kernels.qmatmul(flat, w.data, w.ggml_type, backend=w.backend)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def linear(x: jax.Array, w: Weight, *, groups: int | None = None) -> jax.Array:
@@ -28,6 +60,11 @@ def linear(x: jax.Array, w: Weight, *, groups: int | None = None) -> jax.Array:
     Returns:
       float32 `[..., out]`, or `[..., g, r]` when grouped.
     """
+    if isinstance(w, PackedWeight):
+        if groups is None:
+            return _packed_linear(x, w)
+        return jnp.stack([_packed_linear(x[..., j, :], part) for j, part in enumerate(w.reshape_rows(groups))],
+                         axis=-2)
     x = x.astype(w.dtype)
     if groups is None:
         return jnp.einsum("...k,nk->...n", x, w, precision=_precision(w), preferred_element_type=jnp.float32)
@@ -39,12 +76,23 @@ def expert_linear(x: jax.Array, w: Weight, ids: jax.Array) -> jax.Array:
     """Each token against its own selected experts: `y[..., j, :] = x·w[ids[..., j]]ᵀ`.
 
     Args:
-      x: `[..., in]` or `[..., k, in]` (one input per selected expert); w: `[E, out, in]`;
-      ids: int32 `[..., k]`.
+      x: `[..., in]` (one input per token) or `[..., k, in]` (one input per selected expert);
+      w: `[E, out, in]`; ids: int32 `[..., k]`.
     Returns:
       float32 `[..., k, out]`.
     """
+    per_expert = x.ndim > ids.ndim
+    if isinstance(w, PackedWeight):
+        from dsparkjax import kernels
+
+        k = ids.shape[-1]
+        if per_expert:  # every (token, expert) pair is its own row with one id
+            flat, flat_ids = x.reshape(-1, x.shape[-1]), ids.reshape(-1, 1)
+        else:
+            flat, flat_ids = x.reshape(-1, x.shape[-1]), ids.reshape(-1, k)
+        y = kernels.qmatmul_id(flat.astype(w.dtype), w.data, flat_ids, w.ggml_type, backend=w.backend)
+        return y.reshape(*ids.shape, y.shape[-1])
     picked = jnp.take(w, ids, axis=0)  # [..., k, out, in]
     x = x.astype(w.dtype)
-    spec = "...k,...jnk->...jn" if x.ndim == ids.ndim else "...jk,...jnk->...jn"
+    spec = "...jk,...jnk->...jn" if per_expert else "...k,...jnk->...jn"
     return jnp.einsum(spec, x, picked, precision=_precision(w), preferred_element_type=jnp.float32)

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dsparkjax.aot import AotFunction
 from dsparkjax.errors import DsparkError, TokenIdError
 from dsparkjax.model.state import commit, init_state
 from dsparkjax.model.target import StepOptions
@@ -54,13 +55,30 @@ class Result:
         return (self.matched + self.steps) / self.steps if self.steps else 0.0
 
 
-@functools.partial(jax.jit, static_argnames=("policy",))
-def _widths(policy: WidthPolicy, confidences: jax.Array, ewma: jax.Array) -> jax.Array:
-    return policy.choose(confidences, ewma)
+@functools.lru_cache(maxsize=None)
+def _width_fn(policy: WidthPolicy) -> AotFunction:
+    return AotFunction(policy.choose)
 
 
-@jax.jit
-def _outcome(logits: jax.Array, candidates: jax.Array, widths: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+@functools.partial(jax.jit, static_argnums=(3,))
+def _verify_rows(seeds: jax.Array, drafts: jax.Array, length: jax.Array, width: int
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(rows int32 `[B, width]` = seed then drafts, the candidates `[B, width − 1]`, their positions)."""
+    candidates = drafts[:, : width - 1]
+    rows = jnp.concatenate([seeds[:, None], candidates], axis=1)
+    return rows, candidates, length[:, None] + jnp.arange(width, dtype=jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnums=(5,))
+def _finish(logits: jax.Array, candidates: jax.Array, widths: jax.Array, active: jax.Array, ewma: jax.Array,
+            policy: WidthPolicy) -> tuple[jax.Array, ...]:
+    """After a step: accept, pick the bonus, count the rows to commit (seed + accepted, active sequences
+    only) and update the EWMA."""
+    matched, bonus, bad = _outcome_impl(logits, candidates, widths)
+    return matched, bonus, bad, jnp.where(active, matched + 1, 0), policy.update(ewma, matched)
+
+
+def _outcome_impl(logits: jax.Array, candidates: jax.Array, widths: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(matched int32 `[B]`, bonus int32 `[B]`: the target's greedy token after the accepted prefix,
     the smallest candidate id that is outside the vocabulary, or −1 if none is)."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -110,7 +128,9 @@ class _Sequence:
         self.done, self.result.stop_reason, self.finished_at = True, reason, time.perf_counter()
 
 
-def _policy(width: int | str, proposer: Proposer | None, max_q: int) -> WidthPolicy:
+def _policy(width: int | str | WidthPolicy, proposer: Proposer | None, max_q: int) -> WidthPolicy:
+    if isinstance(width, WidthPolicy):
+        return dataclasses.replace(width, max_q=min(width.max_q, max_q))
     if isinstance(width, int) or (isinstance(width, str) and width.isdigit()):
         q = int(width)
         if not 1 <= q <= max_q:
@@ -129,7 +149,7 @@ def generate(
     drafter: Proposer | None = None,
     max_new_tokens: int = 64,
     verify: Literal["exact", "fast"] = "exact",
-    width: int | str = "adaptive",
+    width: int | str | WidthPolicy = "adaptive",
     on_token: OnToken | None = None,
     mode: Literal["spec", "ar"] | None = None,
     temperature: float = 0.0,
@@ -144,7 +164,8 @@ def generate(
       drafter: a Proposer (e.g. `load_drafter(...)`); with one, `mode` defaults to "spec", else "ar". An AR
         run given a drafter still captures its features, so AR and spec run identical target programs.
       verify: "exact" (one program width for every step; spec output == AR output token for token) or "fast".
-      width: "adaptive" (confidence policy, or EWMA without a confidence head) or a fixed q in 1..block+1.
+      width: "adaptive" (confidence policy, or EWMA without a confidence head), a fixed q in 1..block+1, or
+        a WidthPolicy with its own thresholds.
       on_token: called with (sequence index, token) for every emitted token; returning False cancels it.
       temperature: > 0 samples; speculative decoding is greedy-only, so this falls back to plain decoding.
       stop_tokens: tokens that end a sequence (emitted, then stop); default: the target's eos id.
@@ -187,6 +208,8 @@ def generate(
         step.compile(target.params, state, jax.ShapeDtypeStruct((batch, w), jnp.int32))
     if proposer is not None:
         proposer.precompile(proposer_state, tuple({prefill_chunk, *widths}))
+    _width_fn(policy).compile(jax.ShapeDtypeStruct((batch, block), jnp.float32),
+                              jax.ShapeDtypeStruct((batch,), jnp.float32))
     stops = frozenset(stop_tokens if stop_tokens is not None else (cfg.eos_token_id,))
     sequences = [_Sequence(i, max_new_tokens, stops, on_token) for i in range(batch)]
 
@@ -224,31 +247,32 @@ def generate(
 
     seeds = jnp.asarray(first)
     ewma = jnp.full((batch,), policy.ewma_init, jnp.float32)
-    while not all(s.done for s in sequences):
-        active = np.array([not s.done for s in sequences])
+
+    def dispatch(active: np.ndarray) -> tuple[jax.Array, ...]:
+        """Queue one speculative step on the device (no host sync in exact mode); returns its device outputs."""
+        nonlocal state, proposer_state, seeds, ewma, key
         if proposer is not None:
-            candidates, confidences = proposer.propose(proposer_state, seeds, state.length)
-            widths = _widths(policy, confidences, ewma)
+            drafts, confidences = proposer.propose(proposer_state, seeds, state.length)
+            widths = _width_fn(policy)(confidences, ewma)
             program = exact_width if verify == "exact" else int(np.asarray(widths)[active].max())
-            candidates = candidates[:, : program - 1]
         else:
             program = exact_width if verify == "exact" else 1
-            candidates = jnp.repeat(seeds[:, None], program - 1, axis=1)  # padding rows
-            widths = jnp.ones((batch,), jnp.int32)
-        tokens = jnp.concatenate([seeds[:, None], candidates], axis=1)
-        positions = state.length[:, None] + jnp.arange(program, dtype=jnp.int32)
+            drafts, widths = jnp.broadcast_to(seeds[:, None], (batch, block)), jnp.ones((batch,), jnp.int32)
+        tokens, candidates, positions = _verify_rows(seeds, drafts, state.length, program)
         logits, features, state = step(target.params, state, tokens)
-        matched, bonus, bad_candidate = _outcome(logits, candidates, widths)
+        matched, bonus, bad, accepted, ewma = _finish(logits, candidates, widths, jnp.asarray(active), ewma, policy)
         if sample:  # plain decoding only: the next token is sampled from row 0
             key, sub = jax.random.split(key)
             bonus = _pick(logits, jnp.zeros((batch,), jnp.int32), temperature, sub, True)
-        state = commit(state, jnp.where(jnp.asarray(active), matched + 1, 0))
+        state = commit(state, accepted)
         if proposer is not None:
             proposer_state = proposer.absorb(proposer_state, features, positions)
-            ewma = policy.update(ewma, matched)
         seeds = bonus
-        host_candidates, host_matched, host_bonus, host_widths, host_bad = jax.device_get(
-            (candidates, matched, bonus, widths, bad_candidate))
+        return candidates, matched, bonus, widths, bad
+
+    def process(outputs: tuple[jax.Array, ...]) -> None:
+        """Read one step's outcome back and emit its tokens."""
+        host_candidates, host_matched, host_bonus, host_widths, host_bad = jax.device_get(outputs)
         if host_bad != -1:  # hash layers index tid2eid by token: an out-of-range draft must never be emitted
             raise TokenIdError(f"the proposer drafted token id {int(host_bad)}, outside the vocabulary and hash "
                                f"tables [0, {cfg.vocab_size}) of {target.path}")
@@ -263,6 +287,20 @@ def generate(
             emitted = s.emit([*host_candidates[b, :m], host_bonus[b]])
             if bar is not None:
                 bar.update(emitted)
+
+    # Exact mode queues step k+1 before reading step k back, so the device never waits for the host; a
+    # sequence that ended at step k gets one more (ignored) step. Fast mode needs the widths on the host.
+    pending = None
+    while not all(s.done for s in sequences):
+        queued = dispatch(np.array([not s.done for s in sequences]))
+        if verify == "fast":
+            process(queued)
+            continue
+        if pending is not None:
+            process(pending)
+        pending = queued
+    if pending is not None and not all(s.done for s in sequences):
+        process(pending)
     if bar is not None:
         bar.close()
     for s in sequences:

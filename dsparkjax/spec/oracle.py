@@ -1,8 +1,14 @@
-"""Test proposers for the speculative loop: an oracle that knows the target's greedy continuation."""
+"""An oracle proposer: proposes the target's own greedy continuation, known from a plain run.
+
+It is a measuring instrument, not a drafter: the tests use it to force acceptances and rejections where
+they want them (a "drafter constructed to agree"), and the benchmark uses it to run the speculative loop
+at a chosen acceptance rate, so verify costs can be measured independently of a drafter's quality.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -35,7 +41,7 @@ class OracleProposer:
         return jnp.asarray(self.truth, jnp.int32), jnp.asarray(self.wrong)
 
     def precompile(self, state: Any, widths: tuple[int, ...]) -> None:
-        del state, widths  # nothing to compile: propose is a few jnp ops
+        del state, widths  # nothing to compile ahead: propose is a few jnp ops
 
     def absorb(self, state: Any, features: jax.Array, positions: jax.Array) -> Any:
         del features, positions
@@ -43,12 +49,18 @@ class OracleProposer:
 
     def propose(self, state: Any, seeds: jax.Array, seed_pos: jax.Array) -> tuple[jax.Array, jax.Array]:
         truth, wrong = state
-        idx = jnp.minimum(seed_pos[:, None] + 1 + jnp.arange(self.block_size), truth.shape[1] - 1)
-        rows = jnp.arange(truth.shape[0])[:, None]
-        candidates = jnp.where(wrong[rows, idx], (truth[rows, idx] + 1) % self.vocab, truth[rows, idx])
-        if self.bad_id is not None:
-            candidates = jnp.full_like(candidates, self.bad_id)
-        return candidates, jnp.where(wrong[rows, idx], 0.3, 0.95).astype(jnp.float32)
+        return _propose(truth, wrong, seed_pos, self.block_size, self.vocab, self.bad_id)
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4, 5))
+def _propose(truth: jax.Array, wrong: jax.Array, seed_pos: jax.Array, block: int, vocab: int, bad_id: int | None
+             ) -> tuple[jax.Array, jax.Array]:
+    idx = jnp.minimum(seed_pos[:, None] + 1 + jnp.arange(block), truth.shape[1] - 1)
+    rows = jnp.arange(truth.shape[0])[:, None]
+    candidates = jnp.where(wrong[rows, idx], (truth[rows, idx] + 1) % vocab, truth[rows, idx])
+    if bad_id is not None:
+        candidates = jnp.full_like(candidates, bad_id)
+    return candidates, jnp.where(wrong[rows, idx], 0.3, 0.95).astype(jnp.float32)
 
 
 def oracle_for(prompts: list[list[int]], reference: list[Result], vocab: int, wrong_rate: float, seed: int,

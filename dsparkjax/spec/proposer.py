@@ -43,8 +43,8 @@ class Proposer(Protocol):
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(cfg: DrafterConfig, simulate_qat: bool) -> tuple[AotFunction, AotFunction]:
-    model = DrafterModel(cfg, simulate_qat)
+def _compiled(cfg: DrafterConfig, simulate_qat: bool, hc_kernel: str | None) -> tuple[AotFunction, AotFunction]:
+    model = DrafterModel(cfg, simulate_qat, hc_kernel)
     return AotFunction(model.absorb, donate_argnums=(1,)), AotFunction(model.propose)
 
 
@@ -73,7 +73,7 @@ class Drafter:
         return init_drafter_state(self.config, batch, max_step, self.target.dtype)
 
     def precompile(self, state: DrafterState, widths: tuple[int, ...]) -> None:
-        absorb, propose = _compiled(self.config, self.target.simulate_qat)
+        absorb, propose = _compiled(self.config, self.target.simulate_qat, self.target.options().hc_kernel)
         batch, dim = state.context_pos.shape[0], self.config.hidden_size
         n_cap = len(self.capture_layers)
         for width in widths:
@@ -83,15 +83,16 @@ class Drafter:
         propose.compile(self.params, self.target.params.embed, self.target.params.head, state, vector, vector)
 
     def absorb(self, state: DrafterState, features: jax.Array, positions: jax.Array) -> DrafterState:
-        absorb, _ = _compiled(self.config, self.target.simulate_qat)
+        absorb, _ = _compiled(self.config, self.target.simulate_qat, self.target.options().hc_kernel)
         return absorb(self.params, state, features, positions)
 
     def propose(self, state: DrafterState, seeds: jax.Array, seed_pos: jax.Array) -> tuple[jax.Array, jax.Array]:
-        _, propose = _compiled(self.config, self.target.simulate_qat)
+        _, propose = _compiled(self.config, self.target.simulate_qat, self.target.options().hc_kernel)
         return propose(self.params, self.target.params.embed, self.target.params.head, state, seeds, seed_pos)
 
 
 def load_drafter(path: str, target: Target) -> Drafter:
     """Open a `deepseek4-dflash-draft` GGUF, check its contract and its fit to `target`, load its weights."""
     file, cfg = open_drafter(path, target.config)
-    return Drafter(file.path, cfg, load_drafter_params(file, cfg, jnp.dtype(target.dtype)), target)
+    pack = None if target.kernels == "dequantize" else target.kernels
+    return Drafter(file.path, cfg, load_drafter_params(file, cfg, jnp.dtype(target.dtype), pack), target)

@@ -1,0 +1,151 @@
+"""Measure generation: plain vs speculative, exact vs fast, on one device in one run.
+
+    python scripts/bench_generate.py --config wide --dtype bfloat16 --prompts 64 --output bench.json
+
+Builds a random model (`tiny`, or `wide`: a DS4-shaped model with wider dims), writes it as GGUF and loads
+it back, then for the same random prompts measures:
+- plain decoding through the exact program (width 1 + block) and through the width-1 program (fast);
+- speculative decoding with an oracle proposer at a chosen acceptance rate (the drafter's quality is not
+  what is measured here: the verify economics are), exact and fast, and with the random DSpark drafter;
+- exactness: exact-mode speculative tokens == plain exact tokens for every prompt; the fast mode's mismatch
+  rate against plain decoding;
+- tok/s, the speculative/plain ratio, and the fraction of the weight-streaming roofline (bytes of weights
+  a plain step reads, over the device copy bandwidth measured in the same run).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags, logging
+
+from dsparkjax.config import TargetConfig, tiny_drafter, tiny_target
+from dsparkjax.ggufio import write_model_gguf
+from dsparkjax.spec.generate import Result, generate
+from dsparkjax.spec.oracle import oracle_for
+from dsparkjax.spec.proposer import load_drafter
+from dsparkjax.target_api import Target, load_target
+from dsparkjax.tiny import tiny_pair
+
+_CONFIG = flags.DEFINE_enum("config", "wide", ["tiny", "wide"], "Random model shape.")
+_DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["float32", "bfloat16"], "Compute dtype.")
+_PROMPTS = flags.DEFINE_integer("prompts", 64, "Number of random prompts (one batch).")
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 32, "Tokens per prompt.")
+_ACCEPT = flags.DEFINE_float("acceptance", 0.7, "Oracle proposer: fraction of correct candidates.")
+_WIDTH = flags.DEFINE_string("q", "4", "Verify width for the oracle runs ('adaptive' or 1..6).")
+_OUTPUT = flags.DEFINE_string("output", None, "Write the results as JSON here.")
+
+
+def wide_target() -> TargetConfig:
+    """DS4's structure (SWA, CSA with indexer, HCA, hash + top-k MoE, 4 HC streams) at wider dims."""
+    layers = 6
+    return dataclasses.replace(
+        tiny_target(vocab_size=16384, hidden_size=512, moe_intermediate_size=256),
+        num_layers=layers, num_heads=8, q_lora_rank=256, o_groups=4, o_lora_rank=128, sliding_window=128,
+        compress_ratios=(0, 0, 4, 16, 4, 16), index_topk=32, n_routed_experts=32, n_active_experts=4,
+        swiglu_limit=(10.0,) * layers, swiglu_limit_shared=(10.0,) * layers, context_length=8192)
+
+
+def copy_bandwidth() -> float:
+    """Device copy bandwidth in bytes/s (bytes read + written) of a 1 GiB array."""
+    x = jnp.ones((1 << 28,), jnp.float32)
+    copy = jax.jit(lambda a: a * 1.0)
+    copy(x).block_until_ready()
+    start = time.perf_counter()
+    for _ in range(10):
+        y = copy(x)
+    y.block_until_ready()
+    return 2 * x.nbytes * 10 / (time.perf_counter() - start)
+
+
+def step_weight_bytes(target: Target) -> int:
+    """Weight bytes one plain decode step reads: everything but the unselected routed experts."""
+    cfg = target.config
+    total = sum(x.nbytes for x in jax.tree.leaves(target.params))
+    experts = sum(b.moe.gate.nbytes + b.moe.up.nbytes + b.moe.down.nbytes for b in target.params.blocks)
+    embed = target.params.embed.nbytes
+    return total - embed - experts + experts * cfg.n_active_experts // cfg.n_routed_experts
+
+
+def timed(label: str, fn) -> tuple[list[Result], float]:
+    """Run `fn` and return (results, decode seconds): from the start of decoding (after compiling and
+    prefill; generate's own clock) to the last sequence's end."""
+    results = fn()
+    decode = max(len(r.token_ids) / r.tok_per_s for r in results)
+    tokens = sum(len(r.token_ids) for r in results)
+    steps = max(r.steps for r in results)
+    print(f"{label:<30} {tokens / decode:9.1f} tok/s  {decode / max(steps, 1) * 1e3:7.2f} ms/step  "
+          f"{steps} steps")
+    return results, decode
+
+
+def mismatch_rate(a: list[Result], b: list[Result]) -> float:
+    return float(np.mean([x.token_ids != y.token_ids for x, y in zip(a, b)]))
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    logging.set_verbosity(logging.WARNING)
+    cfg = wide_target() if _CONFIG.value == "wide" else tiny_target()
+    tcfg, tparams, dcfg, dparams = tiny_pair(0, target_cfg=cfg, drafter_cfg=tiny_drafter(cfg))
+    folder = tempfile.mkdtemp(prefix="dsparkjax-bench-")
+    write_model_gguf(os.path.join(folder, "t.gguf"), tcfg, tparams)
+    write_model_gguf(os.path.join(folder, "d.gguf"), dcfg, dparams)
+    target = load_target(os.path.join(folder, "t.gguf"), dtype=_DTYPE.value)
+    drafter = load_drafter(os.path.join(folder, "d.gguf"), target)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, cfg.vocab_size, int(rng.integers(8, 65))).tolist() for _ in range(_PROMPTS.value)]
+    kw = dict(max_new_tokens=_MAX_NEW.value, stop_tokens=())
+    print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, {_CONFIG.value} model, {_DTYPE.value}, "
+          f"{len(prompts)} prompts x {_MAX_NEW.value} tokens")
+    ar_exact, t_ar_exact = timed("plain, exact program", lambda: generate(target, prompts, drafter=drafter,
+                                                                             mode="ar", **kw))
+    ar_fast, t_ar_fast = timed("plain, width-1 program", lambda: generate(target, prompts, drafter=drafter,
+                                                                             mode="ar", verify="fast", **kw))
+    width = int(_WIDTH.value) if _WIDTH.value.isdigit() else _WIDTH.value
+    oracle = oracle_for(prompts, ar_exact, cfg.vocab_size, wrong_rate=1 - _ACCEPT.value, seed=1,
+                        capture_layers=drafter.capture_layers)
+    spec_exact, t_spec_exact = timed("spec oracle, exact", lambda: generate(target, prompts, drafter=oracle,
+                                                                           width=width, **kw))
+    oracle_fast = oracle_for(prompts, ar_fast, cfg.vocab_size, wrong_rate=1 - _ACCEPT.value, seed=1,
+                             capture_layers=drafter.capture_layers)
+    spec_fast, t_spec_fast = timed("spec oracle, fast", lambda: generate(target, prompts, drafter=oracle_fast,
+                                                                        width=width, verify="fast", **kw))
+    dspark, t_dspark = timed("spec DSpark (random), exact", lambda: generate(target, prompts, drafter=drafter,
+                                                                             **kw))
+    bw = copy_bandwidth()
+    tokens = sum(len(r.token_ids) for r in ar_fast)
+    steps_ar = max(r.steps for r in ar_fast)
+    roofline_step = step_weight_bytes(target) / bw
+    summary = dict(
+        device=jax.devices()[0].device_kind, jax=jax.__version__, config=_CONFIG.value, dtype=_DTYPE.value,
+        prompts=len(prompts), max_new_tokens=_MAX_NEW.value, acceptance_target=_ACCEPT.value, q=_WIDTH.value,
+        copy_bandwidth_gbs=bw / 1e9, step_weight_mb=step_weight_bytes(target) / 1e6,
+        exact_spec_equals_plain=all(a.token_ids == b.token_ids for a, b in zip(spec_exact, ar_exact)),
+        dspark_exact_equals_plain=all(a.token_ids == b.token_ids for a, b in zip(dspark, ar_exact)),
+        fast_spec_vs_fast_plain_mismatch=mismatch_rate(spec_fast, ar_fast),
+        fast_plain_vs_exact_plain_mismatch=mismatch_rate(ar_fast, ar_exact),
+        oracle_matched_per_offered=sum(r.matched for r in spec_exact) / max(1, sum(r.offered for r in spec_exact)),
+        mean_accepted_tokens_per_step=sum(r.matched + r.steps for r in spec_exact) / sum(r.steps for r in spec_exact),
+        tok_s=dict(plain_exact=tokens / t_ar_exact, plain_fast=tokens / t_ar_fast, spec_exact=tokens / t_spec_exact,
+                   spec_fast=tokens / t_spec_fast, dspark_exact=tokens / t_dspark),
+        plain_fast_step_ms=t_ar_fast / steps_ar * 1e3, roofline_step_ms=roofline_step * 1e3,
+    )
+    summary["spec_exact_over_plain_fast"] = summary["tok_s"]["spec_exact"] / summary["tok_s"]["plain_fast"]
+    summary["spec_fast_over_plain_fast"] = summary["tok_s"]["spec_fast"] / summary["tok_s"]["plain_fast"]
+    summary["plain_fast_roofline_fraction"] = summary["roofline_step_ms"] / summary["plain_fast_step_ms"]
+    print(json.dumps(summary, indent=1))
+    if _OUTPUT.value:
+        with open(_OUTPUT.value, "w") as f:
+            json.dump(summary, f, indent=1)
+
+
+if __name__ == "__main__":
+    app.run(main)

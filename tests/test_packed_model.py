@@ -1,0 +1,65 @@
+"""The model on quantized GGUFs: packed weights through the kernels (FFI and jnp reference) vs dequantized.
+
+A tiny pair written with the lucebox `rocmfpx` recipe (ROCmFP2/FP3 target experts, ROCmFP4_FAST drafter
+experts, Q8_0 attention) keeps its matrices packed on the device; the FFI kernels compute each row in an
+order that does not depend on the other rows, so exact speculative decoding stays token-identical to plain
+decoding on packed weights too.
+"""
+
+from __future__ import annotations
+
+import functools
+import tempfile
+
+import numpy as np
+import pytest
+
+from dsparkjax import kernels
+from dsparkjax.model.weights import PackedWeight
+from dsparkjax.spec.generate import generate
+from dsparkjax.spec.oracle import oracle_for
+from dsparkjax.spec.proposer import load_drafter
+from dsparkjax.target_api import forward, load_target
+from dsparkjax.tiny import write_tiny_pair
+
+needs_plugin = pytest.mark.skipif(not kernels.ffi.available(), reason="FFI plugin for this platform not built")
+
+
+@functools.lru_cache(maxsize=None)
+def rocmfpx_pair() -> tuple[str, str]:
+    return write_tiny_pair(tempfile.mkdtemp(prefix="dsparkjax-rocmfpx-"), recipe="rocmfpx", tokenizer=None)
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("ffi", marks=needs_plugin)])
+def test_packed_weights_match_dequantized(backend):
+    target_path, _ = rocmfpx_pair()
+    dense = load_target(target_path, kernels="dequantize", simulate_qat=False)
+    packed = load_target(target_path, kernels=backend, simulate_qat=False)
+    experts = packed.params.blocks[2].moe.gate
+    assert isinstance(experts, PackedWeight) and experts.ggml_type == 107  # ROCmFP2 stays packed
+    assert isinstance(packed.params.blocks[0].attn.wq_b, PackedWeight)  # Q8_0 attention too
+    tokens = np.random.default_rng(0).integers(0, 512, (2, 24))
+    want, got = forward(dense, tokens), forward(packed, tokens)
+    assert np.abs(got - want).max() / np.abs(want).max() < 1e-4
+
+
+def test_auto_picks_packed_kernels_for_quantized_files():
+    target_path, _ = rocmfpx_pair()
+    assert load_target(target_path).kernels == kernels.default_backend()
+    assert load_target(write_tiny_pair(tempfile.mkdtemp(), tokenizer=None)[0]).kernels == "dequantize"
+
+
+@needs_plugin
+def test_exact_spec_equals_greedy_on_packed_ffi_weights():
+    target_path, draft_path = rocmfpx_pair()
+    target = load_target(target_path, kernels="ffi")
+    drafter = load_drafter(draft_path, target)
+    assert isinstance(drafter.params.stages[0].moe.gate, PackedWeight)
+    prompts = [list(range(3, 12)), list(range(40, 45)), [7]]
+    plain = generate(target, prompts, drafter=drafter, mode="ar", max_new_tokens=12, stop_tokens=())
+    oracle = oracle_for(prompts, plain, 512, wrong_rate=0.3, seed=2, capture_layers=drafter.capture_layers)
+    spec = generate(target, prompts, drafter=oracle, max_new_tokens=12, width=5, stop_tokens=())
+    assert [s.token_ids for s in spec] == [p.token_ids for p in plain]
+    assert sum(s.matched for s in spec) > 0 and sum(s.offered - s.matched for s in spec) > 0
+    real = generate(target, prompts, drafter=drafter, max_new_tokens=12, stop_tokens=())
+    assert [s.token_ids for s in real] == [p.token_ids for p in plain]
