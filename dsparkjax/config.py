@@ -167,9 +167,8 @@ def _eps(x: Any) -> bool:
 
 _U32, _F32 = GGUFValueType.UINT32, GGUFValueType.FLOAT32
 
-TARGET_KEYS: tuple[MetaKey, ...] = (
-    MetaKey("block_count", "num_layers", _U32, _pos, "> 0"),
-    MetaKey("context_length", "context_length", _U32, _pos, "> 0", required=False),
+# Keys the target and the drafter share: the MLA attention block and the MoE sizes.
+_ATTENTION_KEYS: tuple[MetaKey, ...] = (
     MetaKey("embedding_length", "hidden_size", _U32, _pos, "> 0"),
     MetaKey("vocab_size", "vocab_size", _U32, _pos, "> 0"),
     MetaKey("attention.head_count", "num_heads", _U32, _pos, "> 0"),
@@ -179,6 +178,18 @@ TARGET_KEYS: tuple[MetaKey, ...] = (
     MetaKey("attention.q_lora_rank", "q_lora_rank", _U32, _pos, "> 0"),
     MetaKey("attention.output_lora_rank", "o_lora_rank", _U32, _pos, "> 0"),
     MetaKey("attention.output_group_count", "o_groups", _U32, _pos, "> 0"),
+)
+_MOE_KEYS: tuple[MetaKey, ...] = (
+    MetaKey("expert_count", "n_routed_experts", _U32, _pos, "> 0"),
+    MetaKey("expert_used_count", "n_active_experts", _U32, _pos, "> 0"),
+    MetaKey("expert_feed_forward_length", "moe_intermediate_size", _U32, _pos, "> 0"),
+    MetaKey("expert_shared_count", "n_shared_experts", _U32, lambda x: x == 1, "1"),
+)
+
+TARGET_KEYS: tuple[MetaKey, ...] = (
+    MetaKey("block_count", "num_layers", _U32, _pos, "> 0"),
+    MetaKey("context_length", "context_length", _U32, _pos, "> 0", required=False),
+    *_ATTENTION_KEYS,
     MetaKey("attention.sliding_window", "sliding_window", _U32, _pos, "> 0"),
     MetaKey("attention.indexer.head_count", "index_heads", _U32, _pos, "> 0"),
     MetaKey("attention.indexer.key_length", "index_head_dim", _U32, _pos, "> 0"),
@@ -186,10 +197,7 @@ TARGET_KEYS: tuple[MetaKey, ...] = (
     MetaKey("attention.compress_ratios", "compress_ratios", _U32, _nonneg, "ratios >= 0", array=True),
     MetaKey("attention.compress_rope_freq_base", "compress_rope_theta", _F32, _pos, "> 0"),
     MetaKey("attention.layer_norm_rms_epsilon", "rms_norm_eps", _F32, _eps, "in (0, 0.01)"),
-    MetaKey("expert_count", "n_routed_experts", _U32, _pos, "> 0"),
-    MetaKey("expert_used_count", "n_active_experts", _U32, _pos, "> 0"),
-    MetaKey("expert_feed_forward_length", "moe_intermediate_size", _U32, _pos, "> 0"),
-    MetaKey("expert_shared_count", "n_shared_experts", _U32, lambda x: x == 1, "1"),
+    *_MOE_KEYS,
     MetaKey("expert_group_count", None, _U32, lambda x: x == 0, "0 (no grouped routing)", False, fixed=0),
     MetaKey("expert_weights_scale", "routed_scaling_factor", _F32, _pos, "> 0"),
     MetaKey("expert_weights_norm", None, GGUFValueType.BOOL, lambda x: x is True, "true", False, fixed=True),
@@ -210,21 +218,11 @@ TARGET_KEYS: tuple[MetaKey, ...] = (
     MetaKey("rope.scaling.yarn_beta_slow", "yarn_beta_slow", _F32, _pos, "> 0"),
 )
 
+# lucebox's loader has defaults for the optional drafter keys (dspark.md §1.4); the dataclass carries them.
 DRAFTER_KEYS: tuple[MetaKey, ...] = (
     MetaKey("block_count", "num_stages", _U32, _pos, "> 0"),
-    MetaKey("embedding_length", "hidden_size", _U32, _pos, "> 0"),
-    MetaKey("vocab_size", "vocab_size", _U32, _pos, "> 0"),
-    MetaKey("attention.head_count", "num_heads", _U32, _pos, "> 0"),
-    MetaKey("attention.head_count_kv", None, _U32, lambda x: x == 1, "1", fixed=1),
-    MetaKey("attention.key_length", "head_dim", _U32, _pos, "> 0"),
-    MetaKey("rope.dimension_count", "rope_dim", _U32, lambda x: _pos(x) and x % 2 == 0, "even, > 0"),
-    MetaKey("attention.q_lora_rank", "q_lora_rank", _U32, _pos, "> 0"),
-    MetaKey("attention.output_lora_rank", "o_lora_rank", _U32, _pos, "> 0"),
-    MetaKey("attention.output_group_count", "o_groups", _U32, _pos, "> 0"),
-    MetaKey("expert_count", "n_routed_experts", _U32, _pos, "> 0"),
-    MetaKey("expert_used_count", "n_active_experts", _U32, _pos, "> 0"),
-    MetaKey("expert_shared_count", "n_shared_experts", _U32, lambda x: x == 1, "1"),
-    MetaKey("expert_feed_forward_length", "moe_intermediate_size", _U32, _pos, "> 0"),
+    *_ATTENTION_KEYS,
+    *_MOE_KEYS,
     MetaKey("attention.sliding_window", "sliding_window", _U32, _pos, "> 0", required=False),
     MetaKey("hyper_connection.count", "hc_mult", _U32, _pos, "> 0", required=False),
     MetaKey("hyper_connection.sinkhorn_iterations", "hc_sinkhorn_iters", _U32, _pos, "> 0", required=False),

@@ -64,11 +64,6 @@ def _char_to_byte() -> dict[str, int]:
 _CHAR_TO_BYTE = _char_to_byte()
 
 
-def metadata_from_reader(reader: gguf.GGUFReader) -> dict[str, Any]:
-    """All key/value fields of a GGUF file as plain Python values (str, int, float, bool, lists of them)."""
-    return {name: field.contents() for name, field in reader.fields.items()}
-
-
 class Tokenizer:
     """Text <-> token ids for one GGUF vocabulary. Build it with ``from_metadata`` or ``build_tiny_tokenizer``."""
 

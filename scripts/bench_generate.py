@@ -75,9 +75,10 @@ def step_weight_bytes(target: Target) -> int:
 
 
 def timed(label: str, fn) -> tuple[list[Result], float]:
-    """Run `fn` and return (results, decode seconds): from the start of decoding (after compiling and
-    prefill; generate's own clock) to the last sequence's end."""
-    results = fn()
+    """Run `fn(max_new_tokens)` once briefly to warm up, then fully; return (results, decode seconds): from the
+    start of decoding (after compiling and prefill; generate's own clock) to the last sequence's end."""
+    fn(2)
+    results = fn(_MAX_NEW.value)
     decode = max(len(r.token_ids) / r.tok_per_s for r in results)
     tokens = sum(len(r.token_ids) for r in results)
     steps = max(r.steps for r in results)
@@ -102,24 +103,26 @@ def main(argv: list[str]) -> None:
     drafter = load_drafter(os.path.join(folder, "d.gguf"), target)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, cfg.vocab_size, int(rng.integers(8, 65))).tolist() for _ in range(_PROMPTS.value)]
-    kw = dict(max_new_tokens=_MAX_NEW.value, stop_tokens=())
+    kw = dict(stop_tokens=())
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, {_CONFIG.value} model, {_DTYPE.value}, "
           f"{len(prompts)} prompts x {_MAX_NEW.value} tokens")
-    ar_exact, t_ar_exact = timed("plain, exact program", lambda: generate(target, prompts, drafter=drafter,
-                                                                             mode="ar", **kw))
-    ar_fast, t_ar_fast = timed("plain, width-1 program", lambda: generate(target, prompts, drafter=drafter,
-                                                                             mode="ar", verify="fast", **kw))
+    ar_exact, t_ar_exact = timed("plain, exact program", lambda n: generate(target, prompts, drafter=drafter,
+                                                                               mode="ar", max_new_tokens=n, **kw))
+    ar_fast, t_ar_fast = timed("plain, width-1 program", lambda n: generate(target, prompts, drafter=drafter,
+                                                                               mode="ar", verify="fast",
+                                                                               max_new_tokens=n, **kw))
     width = int(_WIDTH.value) if _WIDTH.value.isdigit() else _WIDTH.value
     oracle = oracle_for(prompts, ar_exact, cfg.vocab_size, wrong_rate=1 - _ACCEPT.value, seed=1,
                         capture_layers=drafter.capture_layers)
-    spec_exact, t_spec_exact = timed("spec oracle, exact", lambda: generate(target, prompts, drafter=oracle,
-                                                                           width=width, **kw))
+    spec_exact, t_spec_exact = timed("spec oracle, exact", lambda n: generate(target, prompts, drafter=oracle,
+                                                                             width=width, max_new_tokens=n, **kw))
     oracle_fast = oracle_for(prompts, ar_fast, cfg.vocab_size, wrong_rate=1 - _ACCEPT.value, seed=1,
                              capture_layers=drafter.capture_layers)
-    spec_fast, t_spec_fast = timed("spec oracle, fast", lambda: generate(target, prompts, drafter=oracle_fast,
-                                                                        width=width, verify="fast", **kw))
-    dspark, t_dspark = timed("spec DSpark (random), exact", lambda: generate(target, prompts, drafter=drafter,
-                                                                             **kw))
+    spec_fast, t_spec_fast = timed("spec oracle, fast", lambda n: generate(target, prompts, drafter=oracle_fast,
+                                                                          width=width, verify="fast",
+                                                                          max_new_tokens=n, **kw))
+    dspark, t_dspark = timed("spec DSpark (random), exact", lambda n: generate(target, prompts, drafter=drafter,
+                                                                               max_new_tokens=n, **kw))
     bw = copy_bandwidth()
     tokens = sum(len(r.token_ids) for r in ar_fast)
     steps_ar = max(r.steps for r in ar_fast)

@@ -1,20 +1,38 @@
 #!/usr/bin/env bash
 # Everything the H200 checks and measures, in one device call (see docs/PERFORMANCE.md):
-#   the GPU kernel suite, the model on packed weights, exact-vs-plain generation in bf16 on 64 prompts
-#   with the fast mode's mismatch rate, and tok/s of plain vs speculative decoding in the same run.
-# Expects the gguf wheel in .whl/ and the built plugins in dsparkjax/_lib/ (both carried); results go to $OUT.
-set -euo pipefail
+#   build the CPU and CUDA plugins, the GPU kernel suite and the model on packed weights, the kernel
+#   benchmark (Q8_0 and IQ2_XXS), then exact-vs-plain generation in bf16 on 64 prompts with the fast mode's
+#   mismatch rate and tok/s of plain vs speculative decoding in the same run.
+# Expects the gguf wheel in .whl/ (carried); results go to $OUT as they are produced. The whole suite takes
+# about 9-10 minutes (a device call's limit is 10): pass section names to run fewer, e.g.
+#   bash scripts/device_suite.sh kernels generate        (the build always runs)
+set -uo pipefail
+SECTIONS="${*:-tests kernels generate}"
+want() { [[ " $SECTIONS " == *" $1 "* ]]; }
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/dsparkjax-out}"; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
-date -u
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
-git log -1 --format='commit %H' 2>/dev/null || true
+inc=$(python3 -c 'import jax.ffi; print(jax.ffi.include_dir())')
+echo "== build (CMake, sm_90)"
+{ cmake -S . -B /tmp/b -DDSPARKJAX_CUDA=ON -DCMAKE_BUILD_TYPE=Release -DXLA_FFI_INCLUDE_DIR="$inc" >/dev/null \
+  && cmake --build /tmp/b -j16 >/dev/null && mkdir -p dsparkjax/_lib && cp /tmp/b/libdspark_*.so dsparkjax/_lib/; } \
+  > "$OUT/build.log" 2>&1 || { tail -20 "$OUT/build.log"; exit 1; }
+if want tests; then
 echo "== GPU kernels and packed model"
-python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_packed_model.py -k "gpu or cuda or packed" \
-  2>&1 | tee "$OUT/tests.log" | tail -5
+python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_packed_model.py -k "gpu or packed" \
+  > "$OUT/tests.log" 2>&1; tail -3 "$OUT/tests.log"
+fi
+if want kernels; then
+echo "== kernel benchmark"
+python3 scripts/bench_kernels.py --formats=Q8_0,IQ2_XXS --t_max=5 --calls=10 --reps=5 \
+  --json_out="$OUT/kernels.json" > "$OUT/kernels.log" 2>&1; tail -14 "$OUT/kernels.log"
+fi
+if want generate; then
 echo "== generation benchmark (bf16)"
 XLA_FLAGS= python3 scripts/bench_generate.py --config wide --dtype bfloat16 --prompts 64 --max_new_tokens 32 \
-  --q 4 --acceptance 0.7 --output "$OUT/generate_bf16.json" 2>&1 | tee "$OUT/generate_bf16.log" | grep -v '^ '
+  --q 4 --acceptance 0.7 --output "$OUT/generate_bf16.json" > "$OUT/generate_bf16.log" 2>&1
+grep -v '^ ' "$OUT/generate_bf16.log" | tail -8
+fi

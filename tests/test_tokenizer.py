@@ -7,7 +7,8 @@ import pytest
 
 from dsparkjax.chat import Prompt, load_prompts, render_chat
 from dsparkjax.errors import GGUFContractError, TokenIdError
-from dsparkjax.tokenizer import Tokenizer, build_tiny_tokenizer, metadata_from_reader
+from dsparkjax.ggufio import open_gguf
+from dsparkjax.tokenizer import Tokenizer, build_tiny_tokenizer
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 TEXT = "Héllo wörld, καλημέρα! 你好，世界。🦊 naïve café 12345\n\tend"
@@ -28,7 +29,7 @@ def from_gguf(tiny: Tokenizer, tmp_path_factory: pytest.TempPathFactory) -> Toke
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return Tokenizer.from_metadata(metadata_from_reader(gguf.GGUFReader(path)), str(path))
+    return Tokenizer.from_metadata(open_gguf(path).metadata, str(path))
 
 
 # --- tokenizer ------------------------------------------------------------------------------------
