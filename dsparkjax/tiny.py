@@ -11,6 +11,7 @@ hash tables of distinct random experts per token.
 from __future__ import annotations
 
 import os
+import shutil
 from typing import Any
 
 import numpy as np
@@ -103,7 +104,7 @@ def default_pair() -> tuple[str, str]:
         try:
             os.replace(tmp, out)
         except OSError:  # another process won the race; its pair is identical
-            pass
+            shutil.rmtree(tmp, ignore_errors=True)
     return target, draft
 
 

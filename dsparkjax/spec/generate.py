@@ -197,6 +197,9 @@ def generate(
     policy = _policy(width, proposer, exact_width)
     max_step = max(prefill_chunk, exact_width)
     lengths = np.array([len(p) for p in prompt_arrays])
+    if int(lengths.max()) + max_new_tokens > cfg.context_length:
+        raise DsparkError(f"prompt of {int(lengths.max())} tokens + {max_new_tokens} new tokens exceeds the "
+                          f"context length {cfg.context_length} of {target.path}")
     # State capacity, rounded up to a power of two so that runs of similar sizes reuse compiled steps.
     max_len = 1 << max(6, (int(lengths.max()) + max_new_tokens + max_step).bit_length())
     step = compiled_step(cfg, StepOptions(simulate_qat=target.simulate_qat,
