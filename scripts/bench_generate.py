@@ -19,10 +19,8 @@ import dataclasses
 import json
 import os
 import tempfile
-import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import app, flags, logging
 
@@ -32,6 +30,7 @@ from dsparkjax.spec.generate import Result, generate
 from dsparkjax.spec.oracle import oracle_for
 from dsparkjax.spec.proposer import load_drafter
 from dsparkjax.target_api import Target, load_target
+from dsparkjax.timing import copy_bandwidth
 from dsparkjax.tiny import tiny_pair
 
 _CONFIG = flags.DEFINE_enum("config", "wide", ["tiny", "wide"], "Random model shape.")
@@ -51,18 +50,6 @@ def wide_target() -> TargetConfig:
         num_layers=layers, num_heads=8, q_lora_rank=256, o_groups=4, o_lora_rank=128, sliding_window=128,
         compress_ratios=(0, 0, 4, 16, 4, 16), index_topk=32, n_routed_experts=32, n_active_experts=4,
         swiglu_limit=(10.0,) * layers, swiglu_limit_shared=(10.0,) * layers, context_length=8192)
-
-
-def copy_bandwidth() -> float:
-    """Device copy bandwidth in bytes/s (bytes read + written) of a 1 GiB array."""
-    x = jnp.ones((1 << 28,), jnp.float32)
-    copy = jax.jit(lambda a: a * 1.0)
-    copy(x).block_until_ready()
-    start = time.perf_counter()
-    for _ in range(10):
-        y = copy(x)
-    y.block_until_ready()
-    return 2 * x.nbytes * 10 / (time.perf_counter() - start)
 
 
 def step_weight_bytes(target: Target) -> int:
@@ -123,7 +110,7 @@ def main(argv: list[str]) -> None:
                                                                           max_new_tokens=n, **kw))
     dspark, t_dspark = timed("spec DSpark (random), exact", lambda n: generate(target, prompts, drafter=drafter,
                                                                                max_new_tokens=n, **kw))
-    bw = copy_bandwidth()
+    bw = copy_bandwidth(1024, 10)
     tokens = sum(len(r.token_ids) for r in ar_fast)
     steps_ar = max(r.steps for r in ar_fast)
     roofline_step = step_weight_bytes(target) / bw

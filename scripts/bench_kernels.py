@@ -12,9 +12,6 @@ cannot merge them), which amortises Python dispatch; the time per call is the pr
 from __future__ import annotations
 
 import json
-import statistics
-import time
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +21,7 @@ from absl import app, flags
 from dsparkjax import kernels
 from dsparkjax.formats import GGMLType
 from dsparkjax.kernels import synthetic
+from dsparkjax.timing import copy_bandwidth, median_seconds
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list(
@@ -51,24 +49,6 @@ SHAPES = {
     "exp_down6": (2048, 4096, 1, 6),  # routed expert down
     "exp_down24": (2048, 4096, 1, 24),
 }
-
-
-def median_seconds(fn: Callable[..., jax.Array], *args: jax.Array, reps: int) -> float:
-    """Median wall time of fn(*args) to completion, after one warm-up (compile) call."""
-    fn(*args).block_until_ready()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn(*args).block_until_ready()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def copy_bandwidth(mib: int, reps: int) -> float:
-    """Bytes/s of a device copy (read + write) of a `mib` MiB buffer."""
-    buf = jnp.zeros((mib << 20) // 4, jnp.float32)
-    f = jax.jit(lambda b: b + 1.0)
-    return 2 * buf.nbytes / median_seconds(f, buf, reps=reps)
 
 
 def distinct_expert_ids(key: jax.Array, t_rows: int, k: int) -> np.ndarray:

@@ -8,7 +8,6 @@ of every format is exercised, not only what a quantizer would produce.
 from __future__ import annotations
 
 import functools
-import time
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dsparkjax import formats, kernels
+from dsparkjax import formats, kernels, timing
 from dsparkjax.errors import FormatError, UnsupportedTypeError
 from dsparkjax.formats import GGMLType, block_size
 from dsparkjax.kernels import synthetic
@@ -277,19 +276,7 @@ def test_gpu_matvec_bandwidth(ggml_type):
     n, k = 32768, 16384  # large enough that one call's dispatch is small next to its transfer
     w = jax.device_put(synthetic.random_packed(jax.random.PRNGKey(0), ggml_type, (n,), k), dev)
     x = jax.device_put(np.random.default_rng(0).standard_normal((1, k)).astype(np.float32), dev)
-    buf = jax.device_put(jnp.zeros((1 << 28,), jnp.float32), dev)
     f = jax.jit(lambda x, w: kernels.qmatmul(x, w, ggml_type, backend="ffi"))
-    copy = jax.jit(lambda b: b + 1.0)
-
-    def best(fn, *a, reps=20):
-        fn(*a).block_until_ready()
-        out = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn(*a).block_until_ready()
-            out.append(time.perf_counter() - t0)
-        return min(out)
-
-    copy_bw = 2 * buf.nbytes / best(copy, buf)
-    mv_bw = w.nbytes / best(f, x, w)
+    copy_bw = timing.copy_bandwidth(1024, reps=20)
+    mv_bw = w.nbytes / timing.median_seconds(f, x, w, reps=20)
     assert mv_bw >= 0.5 * copy_bw, f"{ggml_type.name}: {mv_bw / 1e9:.0f} GB/s vs copy {copy_bw / 1e9:.0f} GB/s"
