@@ -300,18 +300,26 @@ def target_config_from_metadata(meta: Mapping[str, Any], path: str) -> TargetCon
     return cfg
 
 
-def _check_target_consistency(cfg: TargetConfig, path: str) -> None:
+def _check_block_shapes(cfg: TargetConfig | DrafterConfig, arch: str, path: str) -> None:
+    """Consistency of the keys both contracts share (`_ATTENTION_KEYS`, `_MOE_KEYS`)."""
     def bad(what: str, expected: str, found: Any) -> None:
-        raise GGUFContractError(path, f"{TARGET_ARCH}.{what}", expected, repr(found))
+        raise GGUFContractError(path, f"{arch}.{what}", expected, repr(found))
 
     if cfg.rope_dim > cfg.head_dim:
         bad("rope.dimension_count", f"<= key_length {cfg.head_dim}", cfg.rope_dim)
-    if cfg.rope_dim > cfg.index_head_dim:
-        bad("rope.dimension_count", f"<= indexer key_length {cfg.index_head_dim}", cfg.rope_dim)
     if cfg.num_heads % cfg.o_groups:
         bad("attention.output_group_count", f"a divisor of head_count {cfg.num_heads}", cfg.o_groups)
     if cfg.n_active_experts > cfg.n_routed_experts:
         bad("expert_used_count", f"<= expert_count {cfg.n_routed_experts}", cfg.n_active_experts)
+
+
+def _check_target_consistency(cfg: TargetConfig, path: str) -> None:
+    def bad(what: str, expected: str, found: Any) -> None:
+        raise GGUFContractError(path, f"{TARGET_ARCH}.{what}", expected, repr(found))
+
+    _check_block_shapes(cfg, TARGET_ARCH, path)
+    if cfg.rope_dim > cfg.index_head_dim:
+        bad("rope.dimension_count", f"<= indexer key_length {cfg.index_head_dim}", cfg.rope_dim)
     if cfg.num_hash_layers > cfg.num_layers:
         bad("hash_layer_count", f"<= block_count {cfg.num_layers}", cfg.num_hash_layers)
     if cfg.bos_token_id >= cfg.vocab_size or cfg.eos_token_id >= cfg.vocab_size:
@@ -344,15 +352,7 @@ def drafter_config_from_metadata(meta: Mapping[str, Any], path: str) -> DrafterC
         raise GGUFContractError(path, prefix + "dflash.dspark.confidence_dim",
                                 f"0, {cfg.hidden_size} or {cfg.hidden_size + cfg.markov_rank}",
                                 str(cfg.confidence_dim))
-    if cfg.num_heads % cfg.o_groups:
-        raise GGUFContractError(path, prefix + "attention.output_group_count",
-                                f"a divisor of head_count {cfg.num_heads}", str(cfg.o_groups))
-    if cfg.n_active_experts > cfg.n_routed_experts:
-        raise GGUFContractError(path, prefix + "expert_used_count", f"<= expert_count {cfg.n_routed_experts}",
-                                str(cfg.n_active_experts))
-    if cfg.rope_dim > cfg.head_dim:
-        raise GGUFContractError(path, prefix + "rope.dimension_count", f"<= key_length {cfg.head_dim}",
-                                str(cfg.rope_dim))
+    _check_block_shapes(cfg, DRAFTER_ARCH, path)
     return cfg
 
 

@@ -74,11 +74,11 @@ def _finish(logits: jax.Array, candidates: jax.Array, widths: jax.Array, active:
             policy: WidthPolicy) -> tuple[jax.Array, ...]:
     """After a step: accept, pick the bonus, count the rows to commit (seed + accepted, active sequences
     only) and update the EWMA."""
-    matched, bonus, bad = _outcome_impl(logits, candidates, widths)
+    matched, bonus, bad = _outcome(logits, candidates, widths)
     return matched, bonus, bad, jnp.where(active, matched + 1, 0), policy.update(ewma, matched)
 
 
-def _outcome_impl(logits: jax.Array, candidates: jax.Array, widths: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _outcome(logits: jax.Array, candidates: jax.Array, widths: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(matched int32 `[B]`, bonus int32 `[B]`: the target's greedy token after the accepted prefix,
     the smallest candidate id that is outside the vocabulary, or −1 if none is)."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
