@@ -82,7 +82,7 @@ inline ffi::Error check_hc_pre(const ffi::AnyBuffer& streams, const ffi::AnyBuff
   d->M = (2 + d->n) * d->n;
   if (fd.size() != 2 || fd[0] != d->M || fd[1] != d->n * d->D || !is_float_type(fn.element_type()))
     return arg_error("fn must be float [(2+n)*n, n*D]");
-  if (base.element_type() != ffi::DataType::F32 || base.element_count() != d->M) return arg_error("base must be float32 [(2+n)*n]");
+  if (base.element_type() != ffi::DataType::F32 || (int64_t)base.element_count() != d->M) return arg_error("base must be float32 [(2+n)*n]");
   if (scale.element_type() != ffi::DataType::F32 || scale.element_count() != 3) return arg_error("scale must be float32 [3]");
   return ffi::Error::Success();
 }
@@ -94,9 +94,9 @@ inline ffi::Error check_hc_post(const ffi::AnyBuffer& block_out, const ffi::AnyB
   const auto bd = block_out.dimensions();
   if (bd.size() != 2 || bd[0] != d->T || bd[1] != d->D || !is_float_type(block_out.element_type()))
     return arg_error("block_out must be float [T, D] matching streams");
-  if (post.element_type() != ffi::DataType::F32 || post.element_count() != d->T * d->n)
+  if (post.element_type() != ffi::DataType::F32 || (int64_t)post.element_count() != d->T * d->n)
     return arg_error("post must be float32 [T, n]");
-  if (comb.element_type() != ffi::DataType::F32 || comb.element_count() != d->T * d->n * d->n)
+  if (comb.element_type() != ffi::DataType::F32 || (int64_t)comb.element_count() != d->T * d->n * d->n)
     return arg_error("comb must be float32 [T, n, n]");
   return ffi::Error::Success();
 }

@@ -1,17 +1,17 @@
 // GPU (CUDA, and HIP through gpu_vendor.h) FFI handlers: packed quantized matmul, MoE matmul by expert id,
 // mHC pre/post. Handlers only launch kernels on XLA's stream (no allocation, no sync): kCmdBufferCompatible.
 //
-// Packed matmul layout: a CTA of kWarps warps owns (kWarps/S)*R rows; each warp serves R rows (R = 1, 2, 4,
-// chosen per call to fill the GPU) and one of S slices of K (S depends on K only). Per K chunk (1024
-// weights) a warp stages its R rows' chunks into shared memory with unrolled 16- or 4-byte loads (all
-// issued before the first store), then each lane decodes 4 groups of 8 weights per row (Q8_0 and IQ2_XXS
-// with word reads, byte permutes and shared-memory tables; other formats with decode8 from quant_formats.h)
-// and multiplies them with up to 8 token columns, whose activations are loaded once for the R rows. Each
-// lane accumulates in a fixed order with explicit fp32 intrinsics, the warp reduces with a fixed butterfly,
-// and the S slice partials are added in slice order: an output's arithmetic is the same whatever T, R, the
-// token's position or the other tokens (batch invariance).
+// Q8_0 and IQ2_XXS, the formats of the published DS4 files, run on integer dot products against an int8-limb
+// form of the activations (gpu_i8_matvec.cuh): that path streams weights at memory speed. The other formats
+// use the generic float path below: a CTA of kWarps warps owns kWarps/S rows; each warp serves one row and
+// one of S slices of K (S depends on K only). Per K chunk (1024 weights) a warp stages the row's chunk in
+// shared memory, then each lane decodes 4 groups of 8 weights (decode8 of quant_formats.h) and multiplies
+// them with up to 8 token columns. Each lane accumulates in a fixed order with explicit fp32 intrinsics, the
+// warp reduces with a fixed butterfly, and the S slice partials are added in slice order: an output's
+// arithmetic is the same whatever T, the token's position or the other tokens (batch invariance).
 #include "gpu_vendor.h"  // first: the HIP runtime header defines __host__/__device__ for the shared headers
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
@@ -26,25 +26,37 @@ constexpr int kWarps = 8;
 constexpr int kMaxCols = 8;
 constexpr int kGroupsPerLane = 4;
 constexpr int kChunkGroups = kLanes * kGroupsPerLane;  // groups of 8 weights per chunk (1024 weights)
-constexpr int kTargetCtas = 2 * 132;                   // fewer rows per warp below this many CTAs (2 per H200 SM)
-constexpr int kSmemBudget = 44 * 1024;                 // static shared memory for the staged weight chunks
-constexpr int kMinCtas = 2;                            // resident CTAs per SM the register use must allow
 
 template <class Fmt>
 constexpr int kChunkBytes = kChunkGroups * 8 / Fmt::kBlock * Fmt::kBytes;
-// Shared-memory stride of one staged row chunk: 16-byte aligned, with >= 4 bytes of slack for the
-// word-wise decoders below (they may read up to 4 bytes past a chunk's last block; those bytes are unused).
-template <class Fmt>
-constexpr int kRegion = (kChunkBytes<Fmt> + 4 + 15) / 16 * 16;
-template <class Fmt>
-constexpr bool kFastFormat = std::is_same<Fmt, FmtQ8_0>::value || std::is_same<Fmt, FmtIQ2_XXS>::value;
-// Largest rows-per-warp (1, 2, 4) whose staging buffers fit the budget; other formats than the fast ones use 1
-// (fewer kernel instantiations, so the plugin builds in a few minutes).
-// Q8_0 stops at 2: its 4-row staging needs ~48 more registers, and kMinCtas CTAs per SM cap them at 128.
-template <class Fmt>
-constexpr int kMaxRowsFor = !kFastFormat<Fmt> ? 1
-                            : std::is_same<Fmt, FmtIQ2_XXS>::value && kWarps * 4 * kRegion<Fmt> <= kSmemBudget ? 4
-                            : kWarps * 2 * kRegion<Fmt> <= kSmemBudget ? 2 : 1;
+
+struct ColTable {  // the token columns of one CTA pass
+  int ncols;
+  int x_row[kMaxCols];  // token index into x
+  int y_row[kMaxCols];  // output row index (t for dense, t*k+j for MoE)
+};
+
+// MoE: the next pass of (token, slot) columns choosing expert e, from slot *start on, at most kMaxCols;
+// *start moves past them. Every thread of the CTA gets the same table (thread 0 builds it in `shared`).
+__device__ ColTable next_expert_cols(const int32_t* ids, int32_t e, int topk, int P, int* start, ColTable* shared,
+                                     int* shared_next) {
+  if (threadIdx.x == 0) {
+    int nc = 0, q = *start;
+    for (; q < P && nc < kMaxCols; ++q)
+      if (ids[q] == e) {
+        shared->x_row[nc] = q / topk;
+        shared->y_row[nc] = q;
+        ++nc;
+      }
+    shared->ncols = nc;
+    *shared_next = q;
+  }
+  __syncthreads();
+  const ColTable cols = *shared;
+  *start = *shared_next;
+  __syncthreads();
+  return cols;
+}
 
 // 8 consecutive activations as float (p is 16-byte aligned: K is a multiple of 8).
 __device__ __forceinline__ void load8(const float* p, float v[8]) {
@@ -61,134 +73,26 @@ __device__ __forceinline__ void load8(const bf16_t* p, float v[8]) {
   }
 }
 
-// ---- IQ2_XXS lookup tables in shared memory (filled once per CTA) ----
-template <class Fmt>
-constexpr int kGridFloats = std::is_same<Fmt, FmtIQ2_XXS>::value ? 256 * 8 : 4;
-template <class Fmt>
-constexpr int kSignWords = std::is_same<Fmt, FmtIQ2_XXS>::value ? 128 * 8 : 4;
-
-// grid[e*8 + j] = magnitude j of grid entry e (as float); sgn[i*8 + j] = sign bit (bit 31) of element j
-// for the 7 stored sign bits i (the 8th from parity, iq2_sign_byte).
-template <class Fmt>
-__device__ __forceinline__ void init_tables(float* grid, uint32_t* sgn) {
-  if constexpr (std::is_same<Fmt, FmtIQ2_XXS>::value) {
-    for (int e = threadIdx.x; e < 256; e += blockDim.x) {
-      const uint64_t g = kIq2xxsGridDevice[e];
-      float4 a, b;
-      a.x = (float)(uint32_t)(g & 0xFF); a.y = (float)(uint32_t)((g >> 8) & 0xFF);
-      a.z = (float)(uint32_t)((g >> 16) & 0xFF); a.w = (float)(uint32_t)((g >> 24) & 0xFF);
-      b.x = (float)(uint32_t)((g >> 32) & 0xFF); b.y = (float)(uint32_t)((g >> 40) & 0xFF);
-      b.z = (float)(uint32_t)((g >> 48) & 0xFF); b.w = (float)(uint32_t)((g >> 56) & 0xFF);
-      reinterpret_cast<float4*>(grid)[2 * e] = a;
-      reinterpret_cast<float4*>(grid)[2 * e + 1] = b;
-    }
-    for (int i = threadIdx.x; i < 128; i += blockDim.x) {
-      const uint32_t s = iq2_sign_byte((uint32_t)i);
-      uint4 a, b;
-      a.x = (s & 1u) << 31; a.y = ((s >> 1) & 1u) << 31; a.z = ((s >> 2) & 1u) << 31; a.w = ((s >> 3) & 1u) << 31;
-      b.x = ((s >> 4) & 1u) << 31; b.y = ((s >> 5) & 1u) << 31; b.z = ((s >> 6) & 1u) << 31; b.w = (s >> 7) << 31;
-      reinterpret_cast<uint4*>(sgn)[2 * i] = a;
-      reinterpret_cast<uint4*>(sgn)[2 * i + 1] = b;
-    }
-    __syncthreads();
-  }
-}
-
-// ---- group decoders: the 8 weights of group gl (0..127) of a staged chunk ----
-// Generic: w = the exact weights (Fmt::decode8), accumulated one by one (kScaled = false).
-// Fast formats: w = the weights divided by the group scale, which decode returns (kScaled = true); the group's
-// dot product is then scaled once. Same products in a different rounding order (the tests' bound).
-template <class Fmt>
-struct Dec {
-  static constexpr bool kScaled = false;
-  __device__ __forceinline__ static float group(const uint8_t* chunk, int gl, float w[8], const float*, const uint32_t*) {
-    constexpr int kGroupsPerBlock = Fmt::kBlock / 8;
-    Fmt::decode8(chunk + (gl / kGroupsPerBlock) * Fmt::kBytes, gl % kGroupsPerBlock, w);
-    return 1.0f;
-  }
-};
-
-// int8 byte j of `u` (already xor 0x80: u = q + 128) as float q, exactly: 2^23 + u built with one byte
-// permute, minus 2^23 + 128.
-template <int j>
-__device__ __forceinline__ float q8_at(uint32_t u) {
-  return __fsub_rn(__uint_as_float(__byte_perm(u, 0x4Bu, 0x4550u | j)), 8388736.0f);
-}
-
-template <>
-struct Dec<FmtQ8_0> {  // half d @0; int8 qs[32] @2; 34-byte blocks, so chunk offsets are 2-byte aligned
-  static constexpr bool kScaled = true;
-  __device__ __forceinline__ static float group(const uint8_t* chunk, int gl, float w[8], const float*, const uint32_t*) {
-    const int bi = gl >> 2, g = gl & 3;
-    const uint32_t boff = (uint32_t)bi * 34u;
-    const float d = __half2float(__ushort_as_half(*reinterpret_cast<const uint16_t*>(chunk + boff)));
-    const uint32_t off = boff + 2u + 8u * (uint32_t)g;
-    const uint32_t* wp = reinterpret_cast<const uint32_t*>(chunk + (off & ~3u));
-    const uint32_t sh = (off & 3u) * 8u;
-    const uint32_t w0 = wp[0], w1 = wp[1], w2 = wp[2];
-    const uint32_t lo = __funnelshift_r(w0, w1, sh) ^ 0x80808080u, hi = __funnelshift_r(w1, w2, sh) ^ 0x80808080u;
-    w[0] = q8_at<0>(lo); w[1] = q8_at<1>(lo); w[2] = q8_at<2>(lo); w[3] = q8_at<3>(lo);
-    w[4] = q8_at<0>(hi); w[5] = q8_at<1>(hi); w[6] = q8_at<2>(hi); w[7] = q8_at<3>(hi);
-    return d;
-  }
-};
-
-template <>
-struct Dec<FmtIQ2_XXS> {  // half d @0; 8 x (u8 grid idx[4], u32 signs/scale) @2; 66-byte blocks
-  static constexpr bool kScaled = true;
-  __device__ __forceinline__ static float group(const uint8_t* chunk, int gl, float w[8], const float* grid,
-                                                const uint32_t* sgn) {
-    const int bi = gl >> 5, g = gl & 31, ib32 = g >> 2, l = g & 3;
-    const uint8_t* blk = chunk + bi * 66;
-    const uint8_t* q = blk + 2 + 8 * ib32;  // 2-byte aligned
-    const uint16_t* q16 = reinterpret_cast<const uint16_t*>(q);
-    const uint32_t a1 = (uint32_t)q16[2] | ((uint32_t)q16[3] << 16);
-    const float d = __half2float(__ushort_as_half(*reinterpret_cast<const uint16_t*>(blk)));
-    const float db = __fmul_rn(__fmul_rn(d, __fadd_rn(0.5f, (float)(a1 >> 28))), 0.25f);
-    const float4* gt = reinterpret_cast<const float4*>(grid) + 2 * q[l];
-    const uint4* st = reinterpret_cast<const uint4*>(sgn) + 2 * ((a1 >> (7 * l)) & 127u);
-    const float4 g0 = gt[0], g1 = gt[1];
-    const uint4 s0 = st[0], s1 = st[1];
-    w[0] = __uint_as_float(__float_as_uint(g0.x) ^ s0.x); w[1] = __uint_as_float(__float_as_uint(g0.y) ^ s0.y);
-    w[2] = __uint_as_float(__float_as_uint(g0.z) ^ s0.z); w[3] = __uint_as_float(__float_as_uint(g0.w) ^ s0.w);
-    w[4] = __uint_as_float(__float_as_uint(g1.x) ^ s1.x); w[5] = __uint_as_float(__float_as_uint(g1.y) ^ s1.y);
-    w[6] = __uint_as_float(__float_as_uint(g1.z) ^ s1.z); w[7] = __uint_as_float(__float_as_uint(g1.w) ^ s1.w);
-    return db;
-  }
-};
-
-// Copies the chunks of nrows <= R rows (row r at src + r*row_bytes, len <= CB bytes) into shared memory
-// (row r at dst + r*RS). Full chunks use unrolled 16- or 4-byte loads, all issued before the first store,
-// so each lane has R*ceil(CB/512) loads in flight; `align` is the guaranteed alignment of every chunk start.
-template <int CB, int R, class V>
-__device__ __forceinline__ void stage_words(uint8_t* dst, int RS, const uint8_t* src, int64_t row_bytes, int nrows,
-                                            int lane) {
+// Copies a chunk (len <= CB bytes) into shared memory: unrolled 16- or 4-byte loads when the chunk is whole and
+// aligned (`align`: the guaranteed alignment of every chunk start), else bytes.
+template <int CB, class V>
+__device__ __forceinline__ void stage_words(uint8_t* dst, const uint8_t* src, int lane) {
   constexpr int kWords = CB / (int)sizeof(V), kIters = (kWords + kLanes - 1) / kLanes;
-  V r[R][kIters];
+  V r[kIters];
 #pragma unroll
-  for (int rr = 0; rr < R; ++rr)
+  for (int i = 0; i < kIters; ++i)
+    if (i * kLanes + lane < kWords) r[i] = __ldg(reinterpret_cast<const V*>(src) + i * kLanes + lane);
 #pragma unroll
-    for (int i = 0; i < kIters; ++i)
-      if (rr < nrows && i * kLanes + lane < kWords)
-        r[rr][i] = __ldg(reinterpret_cast<const V*>(src + rr * row_bytes) + i * kLanes + lane);
-#pragma unroll
-  for (int rr = 0; rr < R; ++rr)
-#pragma unroll
-    for (int i = 0; i < kIters; ++i)
-      if (rr < nrows && i * kLanes + lane < kWords) reinterpret_cast<V*>(dst + rr * RS)[i * kLanes + lane] = r[rr][i];
+  for (int i = 0; i < kIters; ++i)
+    if (i * kLanes + lane < kWords) reinterpret_cast<V*>(dst)[i * kLanes + lane] = r[i];
 }
 
-template <int CB, int R>
-__device__ __forceinline__ void stage(uint8_t* dst, int RS, const uint8_t* src, int64_t row_bytes, int nrows, int len,
-                                      int align, int lane) {
-  if (len == CB && align == 16) {
-    stage_words<CB, R, uint4>(dst, RS, src, row_bytes, nrows, lane);
-  } else if (len == CB && align == 4) {
-    stage_words<CB, R, uint32_t>(dst, RS, src, row_bytes, nrows, lane);
-  } else {
-    for (int rr = 0; rr < nrows; ++rr)
-      for (int i = lane; i < len; i += kLanes) dst[rr * RS + i] = __ldg(src + rr * row_bytes + i);
-  }
+template <int CB>
+__device__ __forceinline__ void stage(uint8_t* dst, const uint8_t* src, int len, int align, int lane) {
+  if (len == CB && align == 16) stage_words<CB, uint4>(dst, src, lane);
+  else if (len == CB && align == 4) stage_words<CB, uint32_t>(dst, src, lane);
+  else
+    for (int i = lane; i < len; i += kLanes) dst[i] = __ldg(src + i);
 }
 
 // Alignment of every chunk start of the rows of w: 16, 4 or 1 bytes.
@@ -200,70 +104,44 @@ __device__ __forceinline__ int chunk_align(const uint8_t* w, int64_t row_bytes) 
   return 1;
 }
 
-struct ColTable {  // the token columns of one CTA pass
-  int ncols;
-  int x_row[kMaxCols];  // token index into x
-  int y_row[kMaxCols];  // output row index (t for dense, t*k+j for MoE)
-};
-
-// A CTA owns rows [row0, row0 + (kWarps/S)*R): warp v serves the R rows starting at row0 + (v/S)*R, K slice
-// v%S (chunks v%S, v%S+S, ...). Each lane accumulates its groups (chunk order, then group order) for each row
-// and column in one register, with the same fp32 operations whatever R, NC or the other columns; then a fixed
-// butterfly over the lanes, then the S slice partials in slice order. S depends on K only: batch invariance.
-template <class Fmt, class XT, int NC, int R>
+// A CTA owns rows [row0, row0 + kWarps/S): warp v serves row row0 + v/S, K slice v%S (chunks v%S, v%S+S, ...).
+// Each lane accumulates its groups (chunk order, then group order, then the 8 weights) for each column in one
+// register; then a fixed butterfly over the lanes, then the S slice partials in slice order.
+template <class Fmt, class XT, int NC>
 __device__ void rows_times_cols(const uint8_t* w, int64_t N, int64_t K, int64_t row_bytes, int S, int64_t row0,
-                                const XT* x, float* y, const ColTable& cols, uint8_t* smem, float* partial,
-                                const float* grid, const uint32_t* sgn) {
-  using D = Dec<Fmt>;
-  constexpr int CB = kChunkBytes<Fmt>, RS = kRegion<Fmt>;
+                                const XT* x, float* y, const ColTable& cols, uint8_t* smem, float* partial) {
+  constexpr int CB = kChunkBytes<Fmt>, RS = (CB + 15) / 16 * 16, kGroupsPerBlock = Fmt::kBlock / 8;
   const int warp = threadIdx.x / kLanes, lane = threadIdx.x % kLanes;
-  const int64_t n0 = row0 + (int64_t)(warp / S) * R;
+  const int64_t n = row0 + warp / S;
   const int slice = warp % S;
   const int64_t ngroups = K / 8, nchunks = (ngroups + kChunkGroups - 1) / kChunkGroups;
-  const int nrows = (int)(N - n0 < 0 ? 0 : (N - n0 < R ? N - n0 : R));
-  uint8_t* sm = smem + warp * R * RS;
-  float acc[R][NC];
+  uint8_t* sm = smem + warp * RS;
+  float acc[NC];
 #pragma unroll
-  for (int rr = 0; rr < R; ++rr)
-#pragma unroll
-    for (int c = 0; c < NC; ++c) acc[rr][c] = 0.0f;
-  if (nrows > 0) {
-    const uint8_t* rows = w + n0 * row_bytes;
+  for (int c = 0; c < NC; ++c) acc[c] = 0.0f;
+  if (n < N) {
+    const uint8_t* row = w + n * row_bytes;
     const int align = chunk_align<CB>(w, row_bytes);
     for (int64_t ch = slice; ch < nchunks; ch += S) {
       const int64_t off = ch * CB;
       const int len = (int)(row_bytes - off < CB ? row_bytes - off : CB);
       gpu_syncwarp();
-      stage<CB, R>(sm, RS, rows + off, row_bytes, nrows, len, align, lane);
+      stage<CB>(sm, row + off, len, align, lane);
       gpu_syncwarp();
 #pragma unroll
       for (int r = 0; r < kGroupsPerLane; ++r) {
         const int gl = r * kLanes + lane;
         const int64_t gi = ch * kChunkGroups + gl;
         if (gi < ngroups) {
-          float wv[R][8], sc[R];
-#pragma unroll
-          for (int rr = 0; rr < R; ++rr)
-            if (rr < nrows) sc[rr] = D::group(sm + rr * RS, gl, wv[rr], grid, sgn);
+          float wv[8];
+          Fmt::decode8(sm + (gl / kGroupsPerBlock) * Fmt::kBytes, gl % kGroupsPerBlock, wv);
 #pragma unroll
           for (int c = 0; c < NC; ++c) {
             if (c < cols.ncols) {
               float xv[8];
               load8(x + (int64_t)cols.x_row[c] * K + gi * 8, xv);
 #pragma unroll
-              for (int rr = 0; rr < R; ++rr) {
-                if (rr < nrows) {
-                  if constexpr (D::kScaled) {
-                    float s = __fmul_rn(wv[rr][0], xv[0]);
-#pragma unroll
-                    for (int j = 1; j < 8; ++j) s = __fmaf_rn(wv[rr][j], xv[j], s);
-                    acc[rr][c] = __fmaf_rn(sc[rr], s, acc[rr][c]);
-                  } else {
-#pragma unroll
-                    for (int j = 0; j < 8; ++j) acc[rr][c] = __fmaf_rn(wv[rr][j], xv[j], acc[rr][c]);
-                  }
-                }
-              }
+              for (int j = 0; j < 8; ++j) acc[c] = __fmaf_rn(wv[j], xv[j], acc[c]);
             }
           }
         }
@@ -271,97 +149,72 @@ __device__ void rows_times_cols(const uint8_t* w, int64_t N, int64_t K, int64_t 
     }
   }
 #pragma unroll
-  for (int rr = 0; rr < R; ++rr)
-#pragma unroll
-    for (int c = 0; c < NC; ++c) {
-      float a = acc[rr][c];
-      for (int m = kLanes / 2; m > 0; m >>= 1) a = __fadd_rn(a, gpu_shfl_xor(a, m));
-      if (lane == 0) partial[(warp * R + rr) * kMaxCols + c] = a;
-    }
+  for (int c = 0; c < NC; ++c) {
+    float a = acc[c];
+    for (int m = kLanes / 2; m > 0; m >>= 1) a = __fadd_rn(a, gpu_shfl_xor(a, m));
+    if (lane == 0) partial[warp * kMaxCols + c] = a;
+  }
   __syncthreads();
-  const int rows_cta = (kWarps / S) * R;
+  const int rows_cta = kWarps / S;
   if (threadIdx.x < rows_cta * cols.ncols) {
     const int rl = threadIdx.x / cols.ncols, c = threadIdx.x % cols.ncols;
-    const int grp = rl / R, rr = rl % R;
     const int64_t nn = row0 + rl;
     if (nn < N) {
-      float s = partial[((grp * S) * R + rr) * kMaxCols + c];
-      for (int sl = 1; sl < S; ++sl) s = __fadd_rn(s, partial[((grp * S + sl) * R + rr) * kMaxCols + c]);
+      float s = partial[(rl * S) * kMaxCols + c];
+      for (int sl = 1; sl < S; ++sl) s = __fadd_rn(s, partial[(rl * S + sl) * kMaxCols + c]);
       y[(int64_t)cols.y_row[c] * N + nn] = s;
     }
   }
   __syncthreads();
 }
 
-template <class Fmt, class XT, int NC, int R>
-__global__ void __launch_bounds__(kWarps * kLanes, kMinCtas) qmatmul_kernel(const uint8_t* __restrict__ w, const XT* __restrict__ x,
+template <class Fmt, class XT, int NC>
+__global__ void __launch_bounds__(kWarps * kLanes) qmatmul_kernel(const uint8_t* __restrict__ w, const XT* __restrict__ x,
                                                                   float* __restrict__ y, int64_t T, int64_t N, int64_t K,
                                                                   int64_t row_bytes, int S) {
-  __shared__ __align__(16) uint8_t smem[kWarps * R * kRegion<Fmt>];
-  __shared__ float partial[kWarps * R * kMaxCols];
-  __shared__ __align__(16) float grid[kGridFloats<Fmt>];
-  __shared__ __align__(16) uint32_t sgn[kSignWords<Fmt>];
-  init_tables<Fmt>(grid, sgn);
+  __shared__ __align__(16) uint8_t smem[kWarps * ((kChunkBytes<Fmt> + 15) / 16 * 16)];
+  __shared__ float partial[kWarps * kMaxCols];
   ColTable cols;
   const int64_t t0 = (int64_t)blockIdx.y * kMaxCols;
   cols.ncols = (int)(T - t0 < kMaxCols ? T - t0 : kMaxCols);
   for (int c = 0; c < kMaxCols; ++c) cols.x_row[c] = cols.y_row[c] = (int)(t0 + (c < cols.ncols ? c : 0));
-  rows_times_cols<Fmt, XT, NC, R>(w, N, K, row_bytes, S, (int64_t)blockIdx.x * ((kWarps / S) * R), x, y, cols, smem,
-                                  partial, grid, sgn);
+  rows_times_cols<Fmt, XT, NC>(w, N, K, row_bytes, S, (int64_t)blockIdx.x * (kWarps / S), x, y, cols, smem, partial);
 }
 
 // MoE: CTA (row tile, slot p) serves expert ids[p] only if p is that expert's first slot, then loops over all
 // slots choosing it, 8 at a time: each selected expert's rows are read once per call.
-template <class Fmt, class XT, int R>
-__global__ void __launch_bounds__(kWarps * kLanes, kMinCtas) qmatmul_id_kernel(const uint8_t* __restrict__ w, const XT* __restrict__ x,
+template <class Fmt, class XT>
+__global__ void __launch_bounds__(kWarps * kLanes) qmatmul_id_kernel(const uint8_t* __restrict__ w, const XT* __restrict__ x,
                                                                      const int32_t* __restrict__ ids, float* __restrict__ y,
                                                                      int64_t E, int64_t N, int64_t K, int64_t row_bytes,
                                                                      int topk, int P, int S) {
-  __shared__ __align__(16) uint8_t smem[kWarps * R * kRegion<Fmt>];
-  __shared__ float partial[kWarps * R * kMaxCols];
-  __shared__ __align__(16) float grid[kGridFloats<Fmt>];
-  __shared__ __align__(16) uint32_t sgn[kSignWords<Fmt>];
+  __shared__ __align__(16) uint8_t smem[kWarps * ((kChunkBytes<Fmt> + 15) / 16 * 16)];
+  __shared__ float partial[kWarps * kMaxCols];
   __shared__ ColTable s_cols;
   __shared__ int s_next;
   const int p = blockIdx.y;
   const int32_t e = ids[p];
   for (int q = 0; q < p; ++q)
     if (ids[q] == e) return;  // an earlier slot's CTA serves this expert
-  init_tables<Fmt>(grid, sgn);
-  const int rows_cta = (kWarps / S) * R;
-  const int64_t row0 = (int64_t)blockIdx.x * rows_cta;
+  const int64_t row0 = (int64_t)blockIdx.x * (kWarps / S);
   const bool valid = e >= 0 && e < E;
   const uint8_t* we = w + (valid ? e : 0) * N * row_bytes;
   for (int start = p; start < P;) {
-    if (threadIdx.x == 0) {
-      int nc = 0, q = start;
-      for (; q < P && nc < kMaxCols; ++q)
-        if (ids[q] == e) {
-          s_cols.x_row[nc] = q / topk;
-          s_cols.y_row[nc] = q;
-          ++nc;
-        }
-      s_cols.ncols = nc;
-      s_next = q;
-    }
-    __syncthreads();
-    const ColTable cols = s_cols;
-    start = s_next;
-    __syncthreads();
+    const ColTable cols = next_expert_cols(ids, e, topk, P, &start, &s_cols, &s_next);
     if (cols.ncols == 0) break;
     if (!valid) {
-      for (int i = threadIdx.x; i < cols.ncols * rows_cta; i += blockDim.x) {
+      for (int i = threadIdx.x; i < cols.ncols * (kWarps / S); i += blockDim.x) {
         const int64_t nn = row0 + i / cols.ncols;
         if (nn < N) y[(int64_t)cols.y_row[i % cols.ncols] * N + nn] = 0.0f;
       }
     } else if (cols.ncols == 1) {
-      rows_times_cols<Fmt, XT, 1, R>(we, N, K, row_bytes, S, row0, x, y, cols, smem, partial, grid, sgn);
+      rows_times_cols<Fmt, XT, 1>(we, N, K, row_bytes, S, row0, x, y, cols, smem, partial);
     } else if (cols.ncols == 2) {
-      rows_times_cols<Fmt, XT, 2, R>(we, N, K, row_bytes, S, row0, x, y, cols, smem, partial, grid, sgn);
+      rows_times_cols<Fmt, XT, 2>(we, N, K, row_bytes, S, row0, x, y, cols, smem, partial);
     } else if (cols.ncols <= 4) {
-      rows_times_cols<Fmt, XT, 4, R>(we, N, K, row_bytes, S, row0, x, y, cols, smem, partial, grid, sgn);
+      rows_times_cols<Fmt, XT, 4>(we, N, K, row_bytes, S, row0, x, y, cols, smem, partial);
     } else {
-      rows_times_cols<Fmt, XT, 8, R>(we, N, K, row_bytes, S, row0, x, y, cols, smem, partial, grid, sgn);
+      rows_times_cols<Fmt, XT, 8>(we, N, K, row_bytes, S, row0, x, y, cols, smem, partial);
     }
   }
 }
@@ -374,92 +227,97 @@ int k_split(int64_t K) {
   return s;
 }
 
-// Rows per warp: the largest R <= rmax that still gives kTargetCtas CTAs. R only changes which rows share a
-// warp (and its activation loads), never an output's arithmetic, so it may depend on T.
-int pick_rows(int64_t N, int S, int64_t tiles, int rmax) {
-  int R = rmax;
-  while (R > 1 && (N + (kWarps / S) * R - 1) / ((kWarps / S) * R) * tiles < kTargetCtas) R /= 2;
-  return R;
-}
-
-// Calls f(std::integral_constant<int, R>) for R in {1, 2, 4}, R <= kMaxRowsFor<Fmt>.
-template <class Fmt, class F>
-void visit_rows(int R, F&& f) {
-  constexpr int M = kMaxRowsFor<Fmt>;
-  if constexpr (M >= 4) {
-    if (R >= 4) return f(std::integral_constant<int, 4>{});
-  }
-  if constexpr (M >= 2) {
-    if (R >= 2) return f(std::integral_constant<int, 2>{});
-  }
-  f(std::integral_constant<int, 1>{});
-}
-
 ffi::Error launch_error() {
   const gpuError_t err = gpuGetLastError();
   if (err != gpuSuccess) return ffi::Error::Internal(std::string("dsparkjax kernel launch: ") + gpuGetErrorString(err));
   return ffi::Error::Success();
 }
 
+#include "gpu_i8_matvec.cuh"  // namespace i8: the integer path (uses the constants and ColTable above)
+
+bool is_i8_format(int32_t type) { return type == kQ8_0 || type == kIQ2_XXS; }
+
+// Calls f(Fmt{}) for the two formats of the integer path.
+template <class F>
+void visit_i8_format(int32_t type, F&& f) {
+  if (type == kQ8_0) f(FmtQ8_0{});
+  else f(FmtIQ2_XXS{});
+}
+
+ffi::Error check_workspace(const ffi::AnyBuffer& ws, const QDims& d, int32_t type) {
+  const int64_t need = is_i8_format(type) ? i8::workspace_bytes(d.T, d.K) : 0;
+  if (need >= (int64_t{1} << 31))  // the integer path addresses activations with 32-bit offsets
+    return arg_error("T*K = " + std::to_string(d.T * d.K) + " activations exceed the GPU matmul's 2^31/3 limit");
+  if ((int64_t)ws.size_bytes() < need)
+    return arg_error("workspace has " + std::to_string(ws.size_bytes()) + " bytes, needs " + std::to_string(need));
+  return ffi::Error::Success();
+}
+
 template <class XT>
-void launch_qmatmul(gpuStream_t stream, const QDims& d, int32_t type, const uint8_t* w, const void* x, float* y) {
-  const int S = k_split(d.K);
-  const int64_t tiles = (d.T + kMaxCols - 1) / kMaxCols;
+void launch_qmatmul(gpuStream_t stream, const QDims& d, int32_t type, const uint8_t* w, const void* x, uint8_t* ws,
+                    float* y) {
   const auto* xp = static_cast<const XT*>(x);
+  if (is_i8_format(type)) {
+    visit_i8_format(type, [&](auto fmt) { i8::launch_qmatmul<decltype(fmt)>(stream, d, w, xp, ws, y); });
+    return;
+  }
+  const int S = k_split(d.K);
+  const dim3 grid((unsigned)((d.N + kWarps / S - 1) / (kWarps / S)), (unsigned)((d.T + kMaxCols - 1) / kMaxCols));
   visit_format(type, [&](auto fmt) {
     using Fmt = decltype(fmt);
-    visit_rows<Fmt>(pick_rows(d.N, S, tiles, kMaxRowsFor<Fmt>), [&](auto rc) {
-      constexpr int R = decltype(rc)::value;
-      const dim3 grid((unsigned)((d.N + (kWarps / S) * R - 1) / ((kWarps / S) * R)), (unsigned)tiles);
-      if (d.T == 1) qmatmul_kernel<Fmt, XT, 1, R><<<grid, kWarps * kLanes, 0, stream>>>(w, xp, y, d.T, d.N, d.K, d.row_bytes, S);
-      else if (d.T == 2) qmatmul_kernel<Fmt, XT, 2, R><<<grid, kWarps * kLanes, 0, stream>>>(w, xp, y, d.T, d.N, d.K, d.row_bytes, S);
-      else if (d.T <= 4) qmatmul_kernel<Fmt, XT, 4, R><<<grid, kWarps * kLanes, 0, stream>>>(w, xp, y, d.T, d.N, d.K, d.row_bytes, S);
-      else qmatmul_kernel<Fmt, XT, 8, R><<<grid, kWarps * kLanes, 0, stream>>>(w, xp, y, d.T, d.N, d.K, d.row_bytes, S);
-    });
+    if (d.T == 1) qmatmul_kernel<Fmt, XT, 1><<<grid, kWarps * kLanes, 0, stream>>>(w, xp, y, d.T, d.N, d.K, d.row_bytes, S);
+    else if (d.T == 2) qmatmul_kernel<Fmt, XT, 2><<<grid, kWarps * kLanes, 0, stream>>>(w, xp, y, d.T, d.N, d.K, d.row_bytes, S);
+    else if (d.T <= 4) qmatmul_kernel<Fmt, XT, 4><<<grid, kWarps * kLanes, 0, stream>>>(w, xp, y, d.T, d.N, d.K, d.row_bytes, S);
+    else qmatmul_kernel<Fmt, XT, 8><<<grid, kWarps * kLanes, 0, stream>>>(w, xp, y, d.T, d.N, d.K, d.row_bytes, S);
   });
 }
 
 ffi::Error QMatmulGpu(gpuStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y,
-                      int32_t ggml_type) {
+                      ffi::Result<ffi::AnyBuffer> ws, int32_t ggml_type) {
   QDims d;
   if (auto e = check_qdims(x, w, ggml_type, false, &d); e.failure()) return e;
+  if (auto e = check_workspace(*ws, d, ggml_type); e.failure()) return e;
   if (d.T == 0 || d.N == 0) return ffi::Error::Success();
   const auto* wp = static_cast<const uint8_t*>(w.untyped_data());
   auto* yp = static_cast<float*>(y->untyped_data());
-  if (x.element_type() == ffi::DataType::BF16) launch_qmatmul<bf16_t>(stream, d, ggml_type, wp, x.untyped_data(), yp);
-  else launch_qmatmul<float>(stream, d, ggml_type, wp, x.untyped_data(), yp);
+  auto* wsp = static_cast<uint8_t*>(ws->untyped_data());
+  if (x.element_type() == ffi::DataType::BF16) launch_qmatmul<bf16_t>(stream, d, ggml_type, wp, x.untyped_data(), wsp, yp);
+  else launch_qmatmul<float>(stream, d, ggml_type, wp, x.untyped_data(), wsp, yp);
   return launch_error();
 }
 
 template <class XT>
 void launch_qmatmul_id(gpuStream_t stream, const QDims& d, int32_t type, const uint8_t* w, const void* x,
-                       const int32_t* ids, float* y) {
+                       const int32_t* ids, uint8_t* ws, float* y) {
+  const auto* xp = static_cast<const XT*>(x);
+  if (is_i8_format(type)) {
+    visit_i8_format(type, [&](auto fmt) { i8::launch_qmatmul_id<decltype(fmt)>(stream, d, w, xp, ids, ws, y); });
+    return;
+  }
   const int S = k_split(d.K);
   const int P = (int)(d.T * d.k);
-  const auto* xp = static_cast<const XT*>(x);
+  const dim3 grid((unsigned)((d.N + kWarps / S - 1) / (kWarps / S)), (unsigned)P);
   visit_format(type, [&](auto fmt) {
-    using Fmt = decltype(fmt);
-    visit_rows<Fmt>(pick_rows(d.N, S, P < 8 ? P : 8, kMaxRowsFor<Fmt>), [&](auto rc) {
-      constexpr int R = decltype(rc)::value;
-      const dim3 grid((unsigned)((d.N + (kWarps / S) * R - 1) / ((kWarps / S) * R)), (unsigned)P);
-      qmatmul_id_kernel<Fmt, XT, R><<<grid, kWarps * kLanes, 0, stream>>>(w, xp, ids, y, d.E, d.N, d.K, d.row_bytes,
-                                                                          (int)d.k, P, S);
-    });
+    qmatmul_id_kernel<decltype(fmt), XT><<<grid, kWarps * kLanes, 0, stream>>>(w, xp, ids, y, d.E, d.N, d.K,
+                                                                                 d.row_bytes, (int)d.k, P, S);
   });
 }
 
 ffi::Error QMatmulIdGpu(gpuStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer ids,
-                        ffi::Result<ffi::AnyBuffer> y, int32_t ggml_type) {
+                        ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> ws, int32_t ggml_type) {
   QDims d;
   if (auto e = check_qdims(x, w, ggml_type, true, &d); e.failure()) return e;
   if (auto e = check_ids(ids, &d); e.failure()) return e;
+  if (auto e = check_workspace(*ws, d, ggml_type); e.failure()) return e;
   if (d.T * d.k > 65535) return arg_error("qmatmul_id: T*k must be <= 65535");
   if (d.T == 0 || d.k == 0 || d.N == 0) return ffi::Error::Success();
   const auto* wp = static_cast<const uint8_t*>(w.untyped_data());
   const auto* ip = static_cast<const int32_t*>(ids.untyped_data());
   auto* yp = static_cast<float*>(y->untyped_data());
-  if (x.element_type() == ffi::DataType::BF16) launch_qmatmul_id<bf16_t>(stream, d, ggml_type, wp, x.untyped_data(), ip, yp);
-  else launch_qmatmul_id<float>(stream, d, ggml_type, wp, x.untyped_data(), ip, yp);
+  auto* wsp = static_cast<uint8_t*>(ws->untyped_data());
+  if (x.element_type() == ffi::DataType::BF16)
+    launch_qmatmul_id<bf16_t>(stream, d, ggml_type, wp, x.untyped_data(), ip, wsp, yp);
+  else launch_qmatmul_id<float>(stream, d, ggml_type, wp, x.untyped_data(), ip, wsp, yp);
   return launch_error();
 }
 
@@ -586,13 +444,13 @@ namespace ffi = xla::ffi;
 DSPARK_EXPORT XLA_FFI_Error* DSPARK_GPU_SYMBOL(DsparkQMatmul)(XLA_FFI_CallFrame*);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DSPARK_GPU_SYMBOL(DsparkQMatmul), dspark::QMatmulGpu,
                               DSPARK_GPU_BIND.Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()
-                                  .Attr<int32_t>("ggml_type"),
+                                  .Ret<ffi::AnyBuffer>().Attr<int32_t>("ggml_type"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 DSPARK_EXPORT XLA_FFI_Error* DSPARK_GPU_SYMBOL(DsparkQMatmulId)(XLA_FFI_CallFrame*);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DSPARK_GPU_SYMBOL(DsparkQMatmulId), dspark::QMatmulIdGpu,
                               DSPARK_GPU_BIND.Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>().Attr<int32_t>("ggml_type"),
+                                  .Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Attr<int32_t>("ggml_type"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 DSPARK_EXPORT XLA_FFI_Error* DSPARK_GPU_SYMBOL(DsparkHcPre)(XLA_FFI_CallFrame*);

@@ -1,7 +1,12 @@
 // Maps the few CUDA runtime/intrinsic names the GPU kernels use onto HIP, so gpu_ffi.cu compiles with nvcc
 // and with hipcc (HIP_PLATFORM=amd). A "warp" here is always 32 logical lanes (on wave64 AMD GPUs a
 // wavefront holds two of them; the shuffles are width-32).
+//
+// gpu_copy_async(dst_smem, src_global, bytes) copies 4, 8 or 16 bytes (2 on the synchronous path) from
+// global to shared memory: asynchronously on CUDA (cp.async, sm_80+; visible after gpu_copy_wait<n> left at
+// most n of this thread's committed groups pending, plus a warp barrier), synchronously on HIP.
 #pragma once
+#include <cstdint>
 
 #if defined(__HIPCC__)
 #include <hip/hip_fp16.h>
@@ -12,8 +17,30 @@ typedef hipError_t gpuError_t;
 #define gpuGetLastError hipGetLastError
 #define gpuGetErrorString hipGetErrorString
 #define DSPARK_GPU_PLATFORM_SUFFIX Rocm
+#define gpuGetDevice hipGetDevice
+#define gpuDeviceGetAttribute hipDeviceGetAttribute
+#define gpuDevAttrMultiProcessorCount hipDeviceAttributeMultiprocessorCount
+#define gpuDevAttrMaxSharedMemoryPerBlockOptin hipDeviceAttributeSharedMemPerBlockOptin
+#define gpuFuncSetAttribute hipFuncSetAttribute
+#define gpuFuncAttributes hipFuncAttributes
+#define gpuFuncGetAttributes hipFuncGetAttributes
+#define gpuFuncAttributeMaxDynamicSharedMemorySize hipFuncAttributeMaxDynamicSharedMemorySize
+#define gpuOccupancyMaxActiveBlocksPerMultiprocessor hipOccupancyMaxActiveBlocksPerMultiprocessor
 __device__ __forceinline__ float gpu_shfl_xor(float v, int mask) { return __shfl_xor(v, mask, 32); }
 __device__ __forceinline__ void gpu_syncwarp() { __builtin_amdgcn_wave_barrier(); }
+__device__ __forceinline__ int gpu_dp4a(int a, int b, int c) {
+  for (int i = 0; i < 4; ++i) c += (int)(signed char)(a >> (8 * i)) * (int)(signed char)(b >> (8 * i));
+  return c;
+}
+__device__ __forceinline__ void gpu_copy_async(void* dst, const void* src, int bytes) {
+  if (bytes == 16) *static_cast<uint4*>(dst) = *static_cast<const uint4*>(src);
+  else if (bytes == 8) *static_cast<uint2*>(dst) = *static_cast<const uint2*>(src);
+  else if (bytes == 4) *static_cast<uint32_t*>(dst) = *static_cast<const uint32_t*>(src);
+  else *static_cast<uint16_t*>(dst) = *static_cast<const uint16_t*>(src);
+}
+__device__ __forceinline__ void gpu_copy_commit() {}
+template <int n>
+__device__ __forceinline__ void gpu_copy_wait() {}
 #else
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -23,6 +50,26 @@ typedef cudaError_t gpuError_t;
 #define gpuGetLastError cudaGetLastError
 #define gpuGetErrorString cudaGetErrorString
 #define DSPARK_GPU_PLATFORM_SUFFIX Cuda
+#define gpuGetDevice cudaGetDevice
+#define gpuDeviceGetAttribute cudaDeviceGetAttribute
+#define gpuDevAttrMultiProcessorCount cudaDevAttrMultiProcessorCount
+#define gpuDevAttrMaxSharedMemoryPerBlockOptin cudaDevAttrMaxSharedMemoryPerBlockOptin
+#define gpuFuncSetAttribute cudaFuncSetAttribute
+#define gpuFuncAttributes cudaFuncAttributes
+#define gpuFuncGetAttributes cudaFuncGetAttributes
+#define gpuFuncAttributeMaxDynamicSharedMemorySize cudaFuncAttributeMaxDynamicSharedMemorySize
+#define gpuOccupancyMaxActiveBlocksPerMultiprocessor cudaOccupancyMaxActiveBlocksPerMultiprocessor
 __device__ __forceinline__ float gpu_shfl_xor(float v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
 __device__ __forceinline__ void gpu_syncwarp() { __syncwarp(); }
+__device__ __forceinline__ int gpu_dp4a(int a, int b, int c) { return __dp4a(a, b, c); }
+__device__ __forceinline__ void gpu_copy_async(void* dst, const void* src, int bytes) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  if (bytes == 16) asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src));
+  else if (bytes == 8) asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(d), "l"(src));
+  else if (bytes == 4) asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(d), "l"(src));
+  else *static_cast<uint16_t*>(dst) = *static_cast<const uint16_t*>(src);
+}
+__device__ __forceinline__ void gpu_copy_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int n>
+__device__ __forceinline__ void gpu_copy_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(n)); }
 #endif

@@ -10,19 +10,44 @@ import jax
 import jax.numpy as jnp
 
 
-def median_seconds(fn: Callable[..., Any], *args: Any, reps: int) -> float:
-    """Median wall time of `fn(*args)` to completion (block_until_ready), after one warm-up (compile) call."""
+def run_seconds(fn: Callable[..., Any], *args: Any, reps: int) -> list[float]:
+    """Wall times of `reps` runs of `fn(*args)` to completion (block_until_ready), after one warm-up (compile)."""
     jax.block_until_ready(fn(*args))
     times = []
     for _ in range(reps):
         start = time.perf_counter()
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
+
+
+def median_seconds(fn: Callable[..., Any], *args: Any, reps: int) -> float:
+    """Median of `run_seconds`."""
+    return statistics.median(run_seconds(fn, *args, reps=reps))
+
+
+def min_seconds(fn: Callable[..., Any], *args: Any, reps: int) -> float:
+    """Fastest of `run_seconds`: the estimate of what the device can do, for ceilings (clock ramps and host
+    hiccups only ever add time)."""
+    return min(run_seconds(fn, *args, reps=reps))
 
 
 def copy_bandwidth(mib: int = 1024, reps: int = 10) -> float:
-    """Bytes/s of a device copy (bytes read + bytes written) of a `mib` MiB float32 buffer: the ceiling that
-    memory-bound kernels are measured against."""
+    """Bytes/s of a device copy (bytes read + bytes written) of a `mib` MiB float32 buffer, best of `reps`:
+    the ceiling that memory-bound kernels are measured against."""
     buf = jnp.zeros((mib << 20) // 4, jnp.float32)
-    return 2 * buf.nbytes / median_seconds(jax.jit(lambda b: b + 1.0), buf, reps=reps)
+    return 2 * buf.nbytes / min_seconds(jax.jit(lambda b: b + 1.0), buf, reps=reps)
+
+
+def seconds_per_call(make_program: Callable[[int], Callable[..., Any]], make_args: Callable[[int], tuple], n: int,
+                     reps: int) -> float:
+    """Device time of one call in a stream of calls: (time of a program of 2n calls - time of n calls) / n,
+    each the fastest of `reps` runs (host and clock hiccups only add time, and a difference of medians is
+    noisy at these sizes). The difference removes the program's fixed dispatch and synchronisation cost and
+    keeps what every call pays in a decode step, its launch gaps included. NaN when the difference is not
+    positive (below the timer's resolution).
+
+    make_program(m) returns a jitted function of make_args(m) that makes m independent calls."""
+    t1 = min_seconds(make_program(n), *make_args(n), reps=reps)
+    t2 = min_seconds(make_program(2 * n), *make_args(2 * n), reps=reps)
+    return (t2 - t1) / n if t2 > t1 else float("nan")

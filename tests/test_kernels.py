@@ -266,8 +266,17 @@ def test_plugin_ffi_api_not_newer_than_runtime():
 
 # --------------------------------------------------------------------------- GPU bandwidth
 @pytest.mark.gpu
-@pytest.mark.xfail(strict=False, reason="goal of issue 4 (>= 50% of copy bandwidth) not reached yet: docs/PERFORMANCE.md")
-@pytest.mark.parametrize("ggml_type", [GGMLType.Q8_0, GGMLType.IQ2_XXS], ids=lambda t: t.name)
+@pytest.mark.parametrize(
+    "ggml_type",
+    [
+        GGMLType.Q8_0,
+        pytest.param(
+            GGMLType.IQ2_XXS,
+            marks=pytest.mark.xfail(strict=False, reason="IQ2_XXS is instruction-bound below 50%: docs/PERFORMANCE.md"),
+        ),
+    ],
+    ids=lambda t: t.name,
+)
 def test_gpu_matvec_bandwidth(ggml_type):
     """T=1 matvec over a large weight reads at >= 50% of the device copy bandwidth (read + write of 1 GiB)."""
     dev = _gpu_device()
