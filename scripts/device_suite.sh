@@ -6,7 +6,7 @@
 # Expects the gguf wheel in .whl/ (carried); results go to $OUT as they are produced. Plugins carried in
 # dsparkjax/_lib (built here with `DSPARKJAX_CUDA=ON`, sm_90) skip the 2-minute build on the device. The whole suite takes
 # about 9-10 minutes (a device call's limit is 10): pass section names to run fewer, e.g.
-#   bash scripts/device_suite.sh kernels generate        (the build always runs)
+#   bash scripts/device_suite.sh kernels generate        (the build runs unless plugins are carried)
 set -uo pipefail
 SECTIONS="${*:-tests kernels generate}"
 want() { [[ " $SECTIONS " == *" $1 "* ]]; }
