@@ -36,6 +36,19 @@ struct ColTable {  // the token columns of one CTA pass
   int y_row[kMaxCols];  // output row index (t for dense, t*k+j for MoE)
 };
 
+// Calls f(std::integral_constant<int, NC>) with the column-count bucket NC (1, 2, 4 or 8) that holds n columns
+// (1 <= n; n > kMaxCols gives 8): one kernel instantiation per bucket.
+#if defined(__CUDACC__) && !defined(__HIPCC__)
+#pragma nv_exec_check_disable
+#endif
+template <class F>
+__host__ __device__ void visit_cols(int64_t n, F&& f) {
+  if (n == 1) f(std::integral_constant<int, 1>{});
+  else if (n == 2) f(std::integral_constant<int, 2>{});
+  else if (n <= 4) f(std::integral_constant<int, 4>{});
+  else f(std::integral_constant<int, 8>{});
+}
+
 // MoE: the next pass of (token, slot) columns choosing expert e, from slot *start on, at most kMaxCols;
 // *start moves past them. Every thread of the CTA gets the same table (thread 0 builds it in `shared`).
 __device__ ColTable next_expert_cols(const int32_t* ids, int32_t e, int topk, int P, int* start, ColTable* shared,
@@ -207,14 +220,10 @@ __global__ void __launch_bounds__(kWarps * kLanes) qmatmul_id_kernel(const uint8
         const int64_t nn = row0 + i / cols.ncols;
         if (nn < N) y[(int64_t)cols.y_row[i % cols.ncols] * N + nn] = 0.0f;
       }
-    } else if (cols.ncols == 1) {
-      rows_times_cols<Fmt, XT, 1>(we, N, K, row_bytes, S, row0, x, y, cols, smem, partial);
-    } else if (cols.ncols == 2) {
-      rows_times_cols<Fmt, XT, 2>(we, N, K, row_bytes, S, row0, x, y, cols, smem, partial);
-    } else if (cols.ncols <= 4) {
-      rows_times_cols<Fmt, XT, 4>(we, N, K, row_bytes, S, row0, x, y, cols, smem, partial);
     } else {
-      rows_times_cols<Fmt, XT, 8>(we, N, K, row_bytes, S, row0, x, y, cols, smem, partial);
+      visit_cols(cols.ncols, [&](auto nc) {
+        rows_times_cols<Fmt, XT, decltype(nc)::value>(we, N, K, row_bytes, S, row0, x, y, cols, smem, partial);
+      });
     }
   }
 }
@@ -264,11 +273,10 @@ void launch_qmatmul(gpuStream_t stream, const QDims& d, int32_t type, const uint
   const int S = k_split(d.K);
   const dim3 grid((unsigned)((d.N + kWarps / S - 1) / (kWarps / S)), (unsigned)((d.T + kMaxCols - 1) / kMaxCols));
   visit_format(type, [&](auto fmt) {
-    using Fmt = decltype(fmt);
-    if (d.T == 1) qmatmul_kernel<Fmt, XT, 1><<<grid, kWarps * kLanes, 0, stream>>>(w, xp, y, d.T, d.N, d.K, d.row_bytes, S);
-    else if (d.T == 2) qmatmul_kernel<Fmt, XT, 2><<<grid, kWarps * kLanes, 0, stream>>>(w, xp, y, d.T, d.N, d.K, d.row_bytes, S);
-    else if (d.T <= 4) qmatmul_kernel<Fmt, XT, 4><<<grid, kWarps * kLanes, 0, stream>>>(w, xp, y, d.T, d.N, d.K, d.row_bytes, S);
-    else qmatmul_kernel<Fmt, XT, 8><<<grid, kWarps * kLanes, 0, stream>>>(w, xp, y, d.T, d.N, d.K, d.row_bytes, S);
+    visit_cols(d.T, [&](auto nc) {
+      qmatmul_kernel<decltype(fmt), XT, decltype(nc)::value><<<grid, kWarps * kLanes, 0, stream>>>(
+          w, xp, y, d.T, d.N, d.K, d.row_bytes, S);
+    });
   });
 }
 

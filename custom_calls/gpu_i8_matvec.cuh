@@ -29,7 +29,8 @@ constexpr int kSubPerLane = 2;  // independent 32-weight sub-blocks per lane per
 constexpr int kSubPerChunk = kSubPerLane * kLanes;
 
 // Workspace layout for T tokens of K activations: limbs int8 [T, 3, K], then scales float [T, K/32].
-DSPARK_HD int64_t workspace_bytes(int64_t T, int64_t K) { return T * K * 3 + T * (K / 32) * 4; }
+DSPARK_HD int64_t limb_bytes(int64_t T, int64_t K) { return T * K * 3; }
+DSPARK_HD int64_t workspace_bytes(int64_t T, int64_t K) { return limb_bytes(T, K) + T * (K / 32) * 4; }
 
 // ---- activation limbs ----
 // grid (ceil(K/32 / kWarps), T), kThreads threads: warp w turns sub-block blockIdx.x*kWarps + w of token
@@ -162,10 +163,10 @@ struct XView {
 // Copies the activations of tokens [tok0, tok0 + ntok) into shared memory (16-byte limb words: 3K is a
 // multiple of 96; 4-byte scale words), then a CTA barrier.
 __device__ __forceinline__ XView stage_x(const Args& a, int tok0, int ntok, uint8_t* dst) {
-  const int64_t nl = ntok * 3 * a.K / 16, ns = ntok * (a.K / 32);
-  const uint4* src = reinterpret_cast<const uint4*>(a.limbs + tok0 * 3 * a.K);
+  const int64_t nl = limb_bytes(ntok, a.K) / 16, ns = ntok * (a.K / 32);
+  const uint4* src = reinterpret_cast<const uint4*>(a.limbs + limb_bytes(tok0, a.K));
   for (int64_t i = threadIdx.x; i < nl; i += blockDim.x) reinterpret_cast<uint4*>(dst)[i] = src[i];
-  float* sc = reinterpret_cast<float*>(dst + nl * 16);
+  float* sc = reinterpret_cast<float*>(dst + limb_bytes(ntok, a.K));
   for (int64_t i = threadIdx.x; i < ns; i += blockDim.x) sc[i] = a.scales[tok0 * (a.K / 32) + i];
   __syncthreads();
   return XView{reinterpret_cast<const int8_t*>(dst), sc, tok0};
@@ -323,12 +324,11 @@ __device__ void warp_rows(const Args& a, const ColTable& cols, const XView& xv, 
 }
 
 // Shared memory of one CTA: the tables, per warp kStages stages of R staged row chunks, then the activations
-// of x_tokens tokens.
+// of x_tokens tokens in the workspace layout (workspace_bytes(x_tokens, K)).
 template <class Fmt, int R>
 constexpr int kWarpStageBytes = kStages<Fmt, R> * R * ((Sub<Fmt>::kChunkBytes + 4 + 15) / 16 * 16);
 template <class Fmt, int R>
 constexpr int kFixedSmemBytes = Sub<Fmt>::kTableBytes + kWarps * kWarpStageBytes<Fmt, R>;
-DSPARK_HD int64_t x_smem_bytes(int64_t tokens, int64_t K) { return tokens * (3 * K + K / 32 * 4); }
 
 template <class Fmt, int NC, int R>
 __device__ void cta_rows(const Args& a, const ColTable& cols, const XView& xv, uint8_t* smem, const Tables& tab) {
@@ -377,14 +377,8 @@ __global__ void __launch_bounds__(kThreads, 2) qmatmul_id_kernel(Args a, const i
     if (!valid) {
       for (int64_t i = (int64_t)blockIdx.x * kThreads + threadIdx.x; i < cols.ncols * a.N; i += (int64_t)gridDim.x * kThreads)
         a.y[(int64_t)cols.y_row[i / a.N] * a.N + i % a.N] = 0.0f;
-    } else if (cols.ncols == 1) {
-      cta_rows<Fmt, 1, R>(ae, cols, xv, smem, tab);
-    } else if (cols.ncols == 2) {
-      cta_rows<Fmt, 2, R>(ae, cols, xv, smem, tab);
-    } else if (cols.ncols <= 4) {
-      cta_rows<Fmt, 4, R>(ae, cols, xv, smem, tab);
     } else {
-      cta_rows<Fmt, 8, R>(ae, cols, xv, smem, tab);
+      visit_cols(cols.ncols, [&](auto nc) { cta_rows<Fmt, decltype(nc)::value, R>(ae, cols, xv, smem, tab); });
     }
   }
 }
@@ -401,35 +395,45 @@ inline int copy_width(const uint8_t* w, int64_t row_bytes, int chunk_bytes) {
 // Resident CTAs of a kernel with `smem` bytes of dynamic shared memory on the current device. The kernel's
 // shared-memory limit is raised once, and the occupancy is computed once per distinct `smem` (host-side calls
 // only, no stream work: capture-safe; cached because the handler runs on every call outside command buffers).
+// Streaming multiprocessors of the current device (queried once).
+inline int sm_count() {
+  static const int n = [] {
+    int dev = 0, v = 0;
+    (void)gpuGetDevice(&dev);
+    (void)gpuDeviceGetAttribute(&v, gpuDevAttrMultiProcessorCount, dev);
+    return v;
+  }();
+  return n;
+}
+
 template <auto kKernel>
 int resident_ctas(int smem) {
-  static const int sms = [] {
-    int dev = 0, n = 0, optin = 0;
+  static const bool raised = [] {
+    int dev = 0, optin = 0;
     (void)gpuGetDevice(&dev);
-    (void)gpuDeviceGetAttribute(&n, gpuDevAttrMultiProcessorCount, dev);
     (void)gpuDeviceGetAttribute(&optin, gpuDevAttrMaxSharedMemoryPerBlockOptin, dev);
     gpuFuncAttributes attr{};
     (void)gpuFuncGetAttributes(&attr, reinterpret_cast<const void*>(kKernel));
-    (void)gpuFuncSetAttribute(reinterpret_cast<const void*>(kKernel), gpuFuncAttributeMaxDynamicSharedMemorySize,
-                        optin - (int)attr.sharedSizeBytes);
-    return n;
+    return gpuFuncSetAttribute(reinterpret_cast<const void*>(kKernel), gpuFuncAttributeMaxDynamicSharedMemorySize,
+                               optin - (int)attr.sharedSizeBytes) == gpuSuccess;
   }();
+  (void)raised;
   static int cached_smem = -1, cached_ctas = 0;
   if (smem != cached_smem) {
     int per_sm = 0;
     (void)gpuOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, kThreads, smem);
-    cached_ctas = sms * std::max(per_sm, 1);
+    cached_ctas = sm_count() * std::max(per_sm, 1);
     cached_smem = smem;
   }
   return cached_ctas;
 }
 
-// Rows per warp: the largest R <= 4 that still gives every resident warp two groups of rows (about two CTAs
-// of kWarps per SM on 132 SMs).
+// Rows per warp: the largest R <= 4 that still gives every resident warp (about two CTAs of kWarps per SM)
+// two groups of rows.
 inline int pick_rows(int64_t rows_total) {
-  constexpr int64_t kResidentWarps = 2 * 132 * kWarps;
+  const int64_t resident_warps = 2 * (int64_t)sm_count() * kWarps;
   int R = 4;
-  while (R > 1 && rows_total / R < 2 * kResidentWarps) R /= 2;
+  while (R > 1 && rows_total / R < 2 * resident_warps) R /= 2;
   return R;
 }
 
@@ -450,7 +454,7 @@ template <class XT>
 void quantize_x(gpuStream_t stream, const XT* x, int64_t T, int64_t K, uint8_t* ws) {
   const dim3 grid((unsigned)((K / 32 + kWarps - 1) / kWarps), (unsigned)T);
   quantize_x_kernel<XT><<<grid, kThreads, 0, stream>>>(x, reinterpret_cast<int8_t*>(ws),
-                                                        reinterpret_cast<float*>(ws + T * K * 3), K);
+                                                        reinterpret_cast<float*>(ws + limb_bytes(T, K)), K);
 }
 
 // Activations of up to this many bytes per CTA are copied to shared memory (read once per CTA instead of once
@@ -461,16 +465,16 @@ constexpr int64_t kXSmemBudget = 112 * 1024;
 // once when `busy_y` of the ny grid rows have work, at most one per kWarps row groups.
 template <auto kKernel, int R, class... A>
 void launch_persistent(gpuStream_t stream, const Args& a, int fixed_smem, unsigned ny, int busy_y, A... args) {
-  const int smem = fixed_smem + (int)x_smem_bytes(a.x_tokens, a.K);
+  const int smem = fixed_smem + (int)workspace_bytes(a.x_tokens, a.K);
   const int64_t groups = (a.N + R - 1) / R, ctas_needed = (groups + kWarps - 1) / kWarps;
   const int64_t per_y = std::max<int64_t>(1, resident_ctas<kKernel>(smem) / busy_y);
   kKernel<<<dim3((unsigned)std::min(ctas_needed, per_y), ny), kThreads, smem, stream>>>(a, args...);
 }
 
 inline Args make_args(const uint8_t* w, const uint8_t* ws, float* y, const QDims& d, int chunk_bytes, int64_t x_tokens) {
-  return Args{w, reinterpret_cast<const int8_t*>(ws), reinterpret_cast<const float*>(ws + d.T * d.K * 3), y,
+  return Args{w, reinterpret_cast<const int8_t*>(ws), reinterpret_cast<const float*>(ws + limb_bytes(d.T, d.K)), y,
               d.N, d.K, d.row_bytes, copy_width(w, d.row_bytes, chunk_bytes),
-              x_smem_bytes(x_tokens, d.K) <= kXSmemBudget ? (int)x_tokens : 0};
+              workspace_bytes(x_tokens, d.K) <= kXSmemBudget ? (int)x_tokens : 0};
 }
 
 template <class Fmt, class XT>
@@ -483,12 +487,8 @@ void launch_qmatmul(gpuStream_t stream, const QDims& d, const uint8_t* w, const 
     launch_persistent<qmatmul_kernel<Fmt, decltype(nc)::value, kR>, kR>(stream, a, kFixedSmemBytes<Fmt, kR>, tiles,
                                                                          (int)tiles, d.T);
   };
-  using std::integral_constant;
   const int R = pick_rows(d.N);
-  if (d.T == 1) visit_rows<4>(R, [&](auto rc) { run(integral_constant<int, 1>{}, rc); });
-  else if (d.T == 2) visit_rows<4>(R, [&](auto rc) { run(integral_constant<int, 2>{}, rc); });
-  else if (d.T <= 4) visit_rows<4>(R, [&](auto rc) { run(integral_constant<int, 4>{}, rc); });
-  else visit_rows<2>(R, [&](auto rc) { run(integral_constant<int, 8>{}, rc); });
+  visit_cols(d.T, [&](auto nc) { visit_rows<decltype(nc)::value == 8 ? 2 : 4>(R, [&](auto rc) { run(nc, rc); }); });
 }
 
 template <class Fmt, class XT>

@@ -88,19 +88,14 @@ def bench_shape(t: GGMLType, name: str, t_max: int) -> list[dict]:
     rows, base = [], None
     for t_rows in range(1, t_max + 1):
         data_key = jax.random.fold_in(key, t_rows)
-
-        def make_args(m: int, t_rows=t_rows, data_key=data_key) -> tuple:
-            xs = [jax.random.normal(jax.random.fold_in(data_key, c), (t_rows, k_dim) if experts else
-                                    (groups, t_rows, k_dim), jnp.float32) for c in range(m)]
-            ids = [jnp.asarray(distinct_expert_ids(jax.random.fold_in(data_key, 10_000 + c), t_rows, topk))
-                   for c in range(m)] if experts else []
-            return weights, xs, ids
-
-        sec = seconds_per_call(make_program, make_args, calls, FLAGS.reps)
+        xs = [jax.random.normal(jax.random.fold_in(data_key, c), (t_rows, k_dim) if experts else
+                                (groups, t_rows, k_dim), jnp.float32) for c in range(2 * calls)]
+        ids = [distinct_expert_ids(jax.random.fold_in(data_key, 10_000 + c), t_rows, topk)
+               for c in range(2 * calls)] if experts else []
+        id_arrays = [jnp.asarray(i) for i in ids]
+        sec = seconds_per_call(make_program, lambda m: (weights, xs[:m], id_arrays[:m]), calls, FLAGS.reps)
         if experts:  # bytes of the distinct experts of one call, averaged over the calls
-            _, _, ids = make_args(calls)
-            row = weights[0].shape[1] * weights[0].shape[2]
-            moved = np.mean([len(np.unique(np.asarray(i))) for i in ids]) * row
+            moved = np.mean([len(np.unique(i)) for i in ids]) * weights[0].shape[1] * weights[0].shape[2]
         else:
             moved = weights[0].size
         base = base if base is not None else sec

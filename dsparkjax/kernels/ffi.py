@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsparkjax.errors import DsparkError
+from dsparkjax.formats import GGMLType
 
 BUILD_HINT = (
     "build it with `pip install -e .` (CMake; `DSPARKJAX_CUDA=ON pip install -e .` adds the CUDA plugin) or "
@@ -129,14 +130,14 @@ def _call(target: str, out: object, *args: jax.Array, **attrs: np.generic):
     return jax.ffi.ffi_call(target, out, vmap_method="broadcast_all")(*args, **attrs)
 
 
-# Formats the GPU handlers run on integer dot products (custom_calls/gpu_i8_matvec.cuh): Q8_0, IQ2_XXS.
-_INT8_PATH_TYPES = (8, 16)
+# Formats the GPU handlers run on integer dot products (custom_calls/gpu_i8_matvec.cuh).
+_INT8_PATH_TYPES = (GGMLType.Q8_0, GGMLType.IQ2_XXS)
 
 
 def _workspace(ggml_type: int, t: int, k: int) -> jax.ShapeDtypeStruct:
     """The matmul handlers' second output, dropped by the callers: on GPU, for the integer-path formats, the
     activations as int8 limbs `[T, 3, K]` and their per-32 scales float32 `[T, K/32]`; empty otherwise (the
-    handlers share one signature on every platform)."""
+    handlers share one signature on every platform). Mirrors `i8::workspace_bytes`."""
     size = t * k * 3 + t * (k // 32) * 4 if int(ggml_type) in _INT8_PATH_TYPES else 0
     return jax.ShapeDtypeStruct((size,), jnp.uint8)
 
