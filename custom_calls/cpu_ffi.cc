@@ -57,9 +57,7 @@ ffi::Error qmatmul_typed(const QDims& d, int32_t ggml_type, const XT* x, const u
   return ffi::Error::Success();
 }
 
-// `ws`: the GPU handler's activation workspace (same FFI signature on every platform); unused here.
-ffi::Error QMatmulCpu(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer>,
-                      int32_t ggml_type) {
+ffi::Error QMatmulCpu(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y, int32_t ggml_type) {
   QDims d;
   if (auto e = check_qdims(x, w, ggml_type, false, &d); e.failure()) return e;
   const auto* wp = static_cast<const uint8_t*>(w.untyped_data());
@@ -108,7 +106,7 @@ ffi::Error qmatmul_id_typed(const QDims& d, int32_t ggml_type, const XT* x, cons
 }
 
 ffi::Error QMatmulIdCpu(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer ids, ffi::Result<ffi::AnyBuffer> y,
-                        ffi::Result<ffi::AnyBuffer>, int32_t ggml_type) {
+                        int32_t ggml_type) {
   QDims d;
   if (auto e = check_qdims(x, w, ggml_type, true, &d); e.failure()) return e;
   if (auto e = check_ids(ids, &d); e.failure()) return e;
@@ -194,12 +192,12 @@ namespace ffi = xla::ffi;
 DSPARK_EXPORT XLA_FFI_Error* DsparkQMatmulCpu(XLA_FFI_CallFrame*);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DsparkQMatmulCpu, dspark::QMatmulCpu,
                               ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>().Attr<int32_t>("ggml_type"));
+                                  .Attr<int32_t>("ggml_type"));
 
 DSPARK_EXPORT XLA_FFI_Error* DsparkQMatmulIdCpu(XLA_FFI_CallFrame*);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DsparkQMatmulIdCpu, dspark::QMatmulIdCpu,
                               ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Attr<int32_t>("ggml_type"));
+                                  .Ret<ffi::AnyBuffer>().Attr<int32_t>("ggml_type"));
 
 DSPARK_EXPORT XLA_FFI_Error* DsparkHcPreCpu(XLA_FFI_CallFrame*);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DsparkHcPreCpu, dspark::HcPreCpu,

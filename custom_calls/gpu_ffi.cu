@@ -2,8 +2,9 @@
 // mHC pre/post. Handlers only launch kernels on XLA's stream (no allocation, no sync): kCmdBufferCompatible.
 //
 // Q8_0 and IQ2_XXS, the formats of the published DS4 files, run on integer dot products against an int8-limb
-// form of the activations (gpu_i8_matvec.cuh): that path streams weights at memory speed. The other formats
-// use the generic float path below: a CTA of kWarps warps owns kWarps/S rows; each warp serves one row and
+// form of the activations (gpu_i8_matvec.cuh): that path streams weights at memory speed. The other formats,
+// and the rare calls the integer path cannot take (rows not 4-byte aligned, or K so large that one token's
+// activations do not fit in shared memory), use the generic float path below: a CTA of kWarps warps owns kWarps/S rows; each warp serves one row and
 // one of S slices of K (S depends on K only). Per K chunk (1024 weights) a warp stages the row's chunk in
 // shared memory, then each lane decodes 4 groups of 8 weights (decode8 of quant_formats.h) and multiplies
 // them with up to 8 token columns. Each lane accumulates in a fixed order with explicit fp32 intrinsics, the
@@ -49,13 +50,14 @@ __host__ __device__ void visit_cols(int64_t n, F&& f) {
   else f(std::integral_constant<int, 8>{});
 }
 
-// MoE: the next pass of (token, slot) columns choosing expert e, from slot *start on, at most kMaxCols;
-// *start moves past them. Every thread of the CTA gets the same table (thread 0 builds it in `shared`).
-__device__ ColTable next_expert_cols(const int32_t* ids, int32_t e, int topk, int P, int* start, ColTable* shared,
-                                     int* shared_next) {
+// MoE: the next pass of (token, slot) columns choosing expert e, from slot *start on, at most max_cols, built
+// by thread 0 in `shared`; *start moves past them. Returns the column count (the same in every thread). The
+// caller synchronises the CTA before the next pass overwrites the table.
+__device__ int next_expert_cols(const int32_t* ids, int32_t e, int topk, int P, int max_cols, int* start,
+                                ColTable* shared, int* shared_next) {
   if (threadIdx.x == 0) {
     int nc = 0, q = *start;
-    for (; q < P && nc < kMaxCols; ++q)
+    for (; q < P && nc < max_cols; ++q)
       if (ids[q] == e) {
         shared->x_row[nc] = q / topk;
         shared->y_row[nc] = q;
@@ -65,10 +67,8 @@ __device__ ColTable next_expert_cols(const int32_t* ids, int32_t e, int topk, in
     *shared_next = q;
   }
   __syncthreads();
-  const ColTable cols = *shared;
   *start = *shared_next;
-  __syncthreads();
-  return cols;
+  return shared->ncols;
 }
 
 // 8 consecutive activations as float (p is 16-byte aligned: K is a multiple of 8).
@@ -212,9 +212,9 @@ __global__ void __launch_bounds__(kWarps * kLanes) qmatmul_id_kernel(const uint8
   const int64_t row0 = (int64_t)blockIdx.x * (kWarps / S);
   const bool valid = e >= 0 && e < E;
   const uint8_t* we = w + (valid ? e : 0) * N * row_bytes;
-  for (int start = p; start < P;) {
-    const ColTable cols = next_expert_cols(ids, e, topk, P, &start, &s_cols, &s_next);
-    if (cols.ncols == 0) break;
+  for (int start = p; start < P; __syncthreads()) {
+    if (next_expert_cols(ids, e, topk, P, kMaxCols, &start, &s_cols, &s_next) == 0) break;
+    const ColTable cols = s_cols;
     if (!valid) {
       for (int i = threadIdx.x; i < cols.ncols * (kWarps / S); i += blockDim.x) {
         const int64_t nn = row0 + i / cols.ncols;
@@ -244,32 +244,21 @@ ffi::Error launch_error() {
 
 #include "gpu_i8_matvec.cuh"  // namespace i8: the integer path (uses the constants and ColTable above)
 
-bool is_i8_format(int32_t type) { return type == kQ8_0 || type == kIQ2_XXS; }
-
-// Calls f(Fmt{}) for the two formats of the integer path.
+// Calls f(Fmt{}) for the two formats of the integer path and returns its result; false for other formats.
 template <class F>
-void visit_i8_format(int32_t type, F&& f) {
-  if (type == kQ8_0) f(FmtQ8_0{});
-  else f(FmtIQ2_XXS{});
-}
-
-ffi::Error check_workspace(const ffi::AnyBuffer& ws, const QDims& d, int32_t type) {
-  const int64_t need = is_i8_format(type) ? i8::workspace_bytes(d.T, d.K) : 0;
-  if (need >= (int64_t{1} << 31))  // the integer path addresses activations with 32-bit offsets
-    return arg_error("T*K = " + std::to_string(d.T * d.K) + " activations exceed the GPU matmul's 2^31/3 limit");
-  if ((int64_t)ws.size_bytes() < need)
-    return arg_error("workspace has " + std::to_string(ws.size_bytes()) + " bytes, needs " + std::to_string(need));
-  return ffi::Error::Success();
+bool visit_i8_format(int32_t type, F&& f) {
+  if (type == kQ8_0) return f(FmtQ8_0{});
+  if (type == kIQ2_XXS) return f(FmtIQ2_XXS{});
+  return false;
 }
 
 template <class XT>
-void launch_qmatmul(gpuStream_t stream, const QDims& d, int32_t type, const uint8_t* w, const void* x, uint8_t* ws,
-                    float* y) {
-  const auto* xp = static_cast<const XT*>(x);
-  if (is_i8_format(type)) {
-    visit_i8_format(type, [&](auto fmt) { i8::launch_qmatmul<decltype(fmt)>(stream, d, w, xp, ws, y); });
+void launch_qmatmul(gpuStream_t stream, const QDims& d, int32_t type, const uint8_t* w, const void* x, float* y) {
+  if (visit_i8_format(type, [&](auto fmt) {
+        return i8::launch_qmatmul<decltype(fmt)>(stream, d, w, x, std::is_same_v<XT, bf16_t>, y);
+      }))
     return;
-  }
+  const auto* xp = static_cast<const XT*>(x);
   const int S = k_split(d.K);
   const dim3 grid((unsigned)((d.N + kWarps / S - 1) / (kWarps / S)), (unsigned)((d.T + kMaxCols - 1) / kMaxCols));
   visit_format(type, [&](auto fmt) {
@@ -281,27 +270,25 @@ void launch_qmatmul(gpuStream_t stream, const QDims& d, int32_t type, const uint
 }
 
 ffi::Error QMatmulGpu(gpuStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y,
-                      ffi::Result<ffi::AnyBuffer> ws, int32_t ggml_type) {
+                      int32_t ggml_type) {
   QDims d;
   if (auto e = check_qdims(x, w, ggml_type, false, &d); e.failure()) return e;
-  if (auto e = check_workspace(*ws, d, ggml_type); e.failure()) return e;
   if (d.T == 0 || d.N == 0) return ffi::Error::Success();
   const auto* wp = static_cast<const uint8_t*>(w.untyped_data());
   auto* yp = static_cast<float*>(y->untyped_data());
-  auto* wsp = static_cast<uint8_t*>(ws->untyped_data());
-  if (x.element_type() == ffi::DataType::BF16) launch_qmatmul<bf16_t>(stream, d, ggml_type, wp, x.untyped_data(), wsp, yp);
-  else launch_qmatmul<float>(stream, d, ggml_type, wp, x.untyped_data(), wsp, yp);
+  if (x.element_type() == ffi::DataType::BF16) launch_qmatmul<bf16_t>(stream, d, ggml_type, wp, x.untyped_data(), yp);
+  else launch_qmatmul<float>(stream, d, ggml_type, wp, x.untyped_data(), yp);
   return launch_error();
 }
 
 template <class XT>
 void launch_qmatmul_id(gpuStream_t stream, const QDims& d, int32_t type, const uint8_t* w, const void* x,
-                       const int32_t* ids, uint8_t* ws, float* y) {
-  const auto* xp = static_cast<const XT*>(x);
-  if (is_i8_format(type)) {
-    visit_i8_format(type, [&](auto fmt) { i8::launch_qmatmul_id<decltype(fmt)>(stream, d, w, xp, ids, ws, y); });
+                       const int32_t* ids, float* y) {
+  if (visit_i8_format(type, [&](auto fmt) {
+        return i8::launch_qmatmul_id<decltype(fmt)>(stream, d, w, x, std::is_same_v<XT, bf16_t>, ids, y);
+      }))
     return;
-  }
+  const auto* xp = static_cast<const XT*>(x);
   const int S = k_split(d.K);
   const int P = (int)(d.T * d.k);
   const dim3 grid((unsigned)((d.N + kWarps / S - 1) / (kWarps / S)), (unsigned)P);
@@ -312,20 +299,17 @@ void launch_qmatmul_id(gpuStream_t stream, const QDims& d, int32_t type, const u
 }
 
 ffi::Error QMatmulIdGpu(gpuStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer ids,
-                        ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> ws, int32_t ggml_type) {
+                        ffi::Result<ffi::AnyBuffer> y, int32_t ggml_type) {
   QDims d;
   if (auto e = check_qdims(x, w, ggml_type, true, &d); e.failure()) return e;
   if (auto e = check_ids(ids, &d); e.failure()) return e;
-  if (auto e = check_workspace(*ws, d, ggml_type); e.failure()) return e;
   if (d.T * d.k > 65535) return arg_error("qmatmul_id: T*k must be <= 65535");
   if (d.T == 0 || d.k == 0 || d.N == 0) return ffi::Error::Success();
   const auto* wp = static_cast<const uint8_t*>(w.untyped_data());
   const auto* ip = static_cast<const int32_t*>(ids.untyped_data());
   auto* yp = static_cast<float*>(y->untyped_data());
-  auto* wsp = static_cast<uint8_t*>(ws->untyped_data());
-  if (x.element_type() == ffi::DataType::BF16)
-    launch_qmatmul_id<bf16_t>(stream, d, ggml_type, wp, x.untyped_data(), ip, wsp, yp);
-  else launch_qmatmul_id<float>(stream, d, ggml_type, wp, x.untyped_data(), ip, wsp, yp);
+  if (x.element_type() == ffi::DataType::BF16) launch_qmatmul_id<bf16_t>(stream, d, ggml_type, wp, x.untyped_data(), ip, yp);
+  else launch_qmatmul_id<float>(stream, d, ggml_type, wp, x.untyped_data(), ip, yp);
   return launch_error();
 }
 
@@ -452,13 +436,13 @@ namespace ffi = xla::ffi;
 DSPARK_EXPORT XLA_FFI_Error* DSPARK_GPU_SYMBOL(DsparkQMatmul)(XLA_FFI_CallFrame*);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DSPARK_GPU_SYMBOL(DsparkQMatmul), dspark::QMatmulGpu,
                               DSPARK_GPU_BIND.Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>().Attr<int32_t>("ggml_type"),
+                                  .Attr<int32_t>("ggml_type"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 DSPARK_EXPORT XLA_FFI_Error* DSPARK_GPU_SYMBOL(DsparkQMatmulId)(XLA_FFI_CallFrame*);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DSPARK_GPU_SYMBOL(DsparkQMatmulId), dspark::QMatmulIdGpu,
                               DSPARK_GPU_BIND.Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Attr<int32_t>("ggml_type"),
+                                  .Ret<ffi::AnyBuffer>().Attr<int32_t>("ggml_type"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 DSPARK_EXPORT XLA_FFI_Error* DSPARK_GPU_SYMBOL(DsparkHcPre)(XLA_FFI_CallFrame*);

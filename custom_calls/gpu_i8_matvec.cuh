@@ -7,19 +7,21 @@
 //
 //   * activations, per token and per 32-element sub-block b: X_j = rint(x_j · 2^(22-e_b)) where
 //     2^(e_b-1) <= max_j |x_j| < 2^e_b, so |X_j| <= 2^22 and each x_j is kept to 2^-23 of the sub-block's
-//     largest magnitude. X_j = 65536·L0_j + 256·L1_j + L2_j with balanced int8 limbs (`quantize_x_kernel`,
-//     once per call, into the caller's workspace);
+//     largest magnitude. X_j = 65536·L0_j + 256·L1_j + L2_j with balanced int8 limbs. Each CTA computes the
+//     limbs of the tokens it serves straight into shared memory (`stage_x`), so a call is one launch;
 //   * per sub-block, row and token: I_l = Σ_j w_j·L_lj exactly in int32 (dp4a), then in fp32
 //     v = fma(I0, 65536, I1·256 + I2) and acc = fma(d_w · 2^(e_b-22), v, acc) over the sub-blocks in order.
 //
-// Every output's operation sequence depends only on its own row and token: batch invariant in T and in
-// the rows sharing a warp.
+// Every output's operation sequence depends only on its own row and token: batch invariant in T, in the
+// tokens sharing a CTA and in the rows sharing a warp.
 //
 // Layout: each warp owns groups of R rows (R = 1, 2, 4 per call) over the whole of K, taken in a
-// grid-stride loop; a group's K is cut into chunks of 1024 weights (32 sub-blocks, one per lane). The warp
+// grid-stride loop; a group's K is cut into chunks of 2048 weights (64 sub-blocks, two per lane). The warp
 // streams (group, chunk) items through a ring of kStages shared-memory stages with asynchronous copies,
 // kStages-1 items ahead, across group boundaries. IQ2_XXS grid and sign tables live in shared memory,
-// replicated per lane of a half-warp (grid) or quarter-warp (signs) so random lookups never conflict.
+// replicated per lane of a half-warp so random lookups never conflict. Shared-memory traffic, not
+// arithmetic, is what bounds this loop on the H200 (ncu: L1/TEX busiest), so every layout below is chosen
+// for conflict-free 16-byte (activations) or 8-byte (tables) loads.
 
 namespace i8 {
 
@@ -28,48 +30,120 @@ constexpr int kThreads = kWarps * kLanes;
 constexpr int kSubPerLane = 2;  // independent 32-weight sub-blocks per lane per chunk (instruction-level parallelism)
 constexpr int kSubPerChunk = kSubPerLane * kLanes;
 
-// Workspace layout for T tokens of K activations: limbs int8 [T, 3, K], then scales float [T, K/32].
-DSPARK_HD int64_t limb_bytes(int64_t T, int64_t K) { return T * K * 3; }
-DSPARK_HD int64_t workspace_bytes(int64_t T, int64_t K) { return limb_bytes(T, K) + T * (K / 32) * 4; }
+// ---- activations in shared memory ----
+// Token slot i of a CTA: its limbs at i·3K bytes, as 6 arrays of K/32 16-byte words: array 2l+h holds half h
+// (bytes 16h..16h+15) of the limb-l words of every sub-block, so the 32 lanes of a warp, reading consecutive
+// sub-blocks, load consecutive 16-byte words. The scales (float [slots][K/32]) follow all slots' limbs.
+DSPARK_HD int64_t x_token_bytes(int64_t K) { return K * 3 + (K / 32) * 4; }
 
-// ---- activation limbs ----
-// grid (ceil(K/32 / kWarps), T), kThreads threads: warp w turns sub-block blockIdx.x*kWarps + w of token
-// blockIdx.y into limbs (lane = element). Non-finite activations give a NaN scale (NaN outputs).
-template <class XT>
-__global__ void __launch_bounds__(kThreads) quantize_x_kernel(const XT* __restrict__ x, int8_t* __restrict__ limbs,
-                                                              float* __restrict__ scales, int64_t K) {
-  const int64_t t = blockIdx.y, nsub = K / 32;
-  const int64_t sb = (int64_t)blockIdx.x * kWarps + threadIdx.x / kLanes;
-  const int lane = threadIdx.x % kLanes;
-  if (sb >= nsub) return;
-  const float v = to_float(x[t * K + sb * 32 + lane]);
-  float m = fabsf(v);
-  for (int s = kLanes / 2; s > 0; s >>= 1) m = fmaxf(m, gpu_shfl_xor(m, s));
-  int e = 0;
-  int X = 0;
-  float scale = 0.0f;
-  if (!(m <= 3.402823466e38f)) {
-    scale = __int_as_float(0x7fc00000);  // inf or NaN somewhere in the sub-block
-  } else if (m > 0.0f) {
-    frexpf(m, &e);
-    X = __float2int_rn(ldexpf(v, 22 - e));
-    scale = ldexpf(1.0f, e - 22);
+struct XView {
+  const uint4* limbs;   // slot i, limb array a: limbs + i * 6 * nsub + a * nsub (16-byte words)
+  const float* scales;  // slot i: scales + i * nsub
+  int nsub;
+};
+
+// Where a CTA's activations come from: tokens rows[0..ntok) of x (float32 or bfloat16 [T, K]), quantised into
+// slots 0..ntok-1 at `dst` (the layout above, `slots` slots reserved).
+struct XSource {
+  const void* x;
+  bool bf16;
+  int64_t K;
+  const int* rows;
+  int ntok, slots;
+  uint8_t* dst;
+};
+
+// Four consecutive activations as float (16-byte aligned for float32, 8 for bfloat16: K is a multiple of 32).
+__device__ __forceinline__ float4 load4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+__device__ __forceinline__ float4 load4(const uint16_t* p) {
+  const uint2 u = *reinterpret_cast<const uint2*>(p);
+  return make_float4(bits_to_float(u.x << 16), bits_to_float(u.x & 0xFFFF0000u), bits_to_float(u.y << 16),
+                     bits_to_float(u.y & 0xFFFF0000u));
+}
+
+// Limbs of four activations of one sub-block whose largest magnitude is below 2^e: byte k of limbs[l] is limb l
+// of element k.
+__device__ __forceinline__ void limbs4(float4 v, int e, uint32_t limbs[3]) {
+  const float f[4] = {v.x, v.y, v.z, v.w};
+  limbs[0] = limbs[1] = limbs[2] = 0;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    int X = __float2int_rn(ldexpf(f[k], 22 - e));
+    const int l2 = ((X + 128) & 255) - 128;
+    X = (X - l2) >> 8;
+    const int l1 = ((X + 128) & 255) - 128;
+    const int l0 = (X - l1) >> 8;
+    limbs[0] |= (uint32_t)(l0 & 255) << (8 * k);
+    limbs[1] |= (uint32_t)(l1 & 255) << (8 * k);
+    limbs[2] |= (uint32_t)(l2 & 255) << (8 * k);
   }
-  const int l2 = ((X + 128) & 255) - 128;
-  X = (X - l2) >> 8;
-  const int l1 = ((X + 128) & 255) - 128;
-  const int l0 = (X - l1) >> 8;
-  int8_t* out = limbs + t * 3 * K + sb * 32 + lane;
-  out[0] = (int8_t)l0;
-  out[K] = (int8_t)l1;
-  out[2 * K] = (int8_t)l2;
-  if (lane == 0) scales[t * nsub + sb] = scale;
+}
+
+// Sub-block groups of four (one per 8 lanes of a warp) a warp loads before quantising any: that many global
+// loads in flight per lane instead of one.
+constexpr int kStageBatch = 4;
+
+// Quantises the activations of `src` into shared memory. Lane group g = lane / 8 of a warp takes sub-block
+// i = 4·(warp step) + g, lane q = lane % 8 its elements 4q..4q+3; the sub-block's largest magnitude is an
+// integer max over the 8 lanes (on |bits|, so a NaN or inf anywhere wins and gives a NaN scale).
+template <class XT>
+__device__ __forceinline__ void stage_tokens(const XSource& src, float* scales) {
+  const int nsub = (int)(src.K / 32), warp = threadIdx.x / kLanes, lane = threadIdx.x % kLanes, q = lane % 8;
+  const int total = src.ntok * nsub;
+  const XT* x = static_cast<const XT*>(src.x);
+  for (int i0 = warp * 4 + lane / 8; i0 - lane / 8 < total; i0 += kWarps * 4 * kStageBatch) {
+    float4 v[kStageBatch];
+#pragma unroll
+    for (int u = 0; u < kStageBatch; ++u) {
+      const int i = i0 + u * kWarps * 4, slot = i / nsub;
+      v[u] = i < total ? load4(x + (int64_t)src.rows[slot] * src.K + (i - slot * nsub) * 32 + 4 * q)
+                       : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+#pragma unroll
+    for (int u = 0; u < kStageBatch; ++u) {
+      const int i = i0 + u * kWarps * 4, slot = i / nsub, sb = i - slot * nsub;
+      uint32_t m = max(max(__float_as_uint(v[u].x) & 0x7FFFFFFFu, __float_as_uint(v[u].y) & 0x7FFFFFFFu),
+                       max(__float_as_uint(v[u].z) & 0x7FFFFFFFu, __float_as_uint(v[u].w) & 0x7FFFFFFFu));
+      for (int s = 1; s < 8; s <<= 1) m = max(m, __float_as_uint(gpu_shfl_xor(__uint_as_float(m), s)));
+      if (i >= total) continue;
+      const float mf = __uint_as_float(m);
+      int e = 0;
+      float sc = 0.0f;
+      uint32_t limbs[3] = {0, 0, 0};
+      if (!(mf <= 3.402823466e38f)) {
+        sc = __int_as_float(0x7fc00000);
+      } else if (mf > 0.0f) {
+        frexpf(mf, &e);
+        sc = ldexpf(1.0f, e - 22);
+        limbs4(v[u], e, limbs);
+      }
+      // limb l, half q / 4, bytes 4·(q % 4)..: array 2l + q/4 of the slot, word q % 4 of sub-block sb
+      uint32_t* out = reinterpret_cast<uint32_t*>(src.dst + (int64_t)slot * 3 * src.K + (q / 4) * (src.K / 2) + sb * 16) + q % 4;
+#pragma unroll
+      for (int l = 0; l < 3; ++l) out[l * (src.K / 4)] = limbs[l];  // + 2l arrays of K/2 bytes
+      if (q == 0) scales[i] = sc;
+    }
+  }
+}
+
+// Quantises the activations of `src` into shared memory, then a CTA barrier (every thread must call it).
+__device__ __forceinline__ XView stage_x(const XSource& src) {
+  float* scales = reinterpret_cast<float*>(src.dst + (int64_t)src.slots * 3 * src.K);
+  if (src.bf16) stage_tokens<uint16_t>(src, scales);
+  else stage_tokens<float>(src, scales);
+  __syncthreads();
+  return XView{reinterpret_cast<const uint4*>(src.dst), scales, (int)(src.K / 32)};
 }
 
 // ---- sub-block decoders: 32 weights of a staged chunk as 8 words of int8, and the sub-block's scale ----
+// IQ2_XXS tables, replicated 16 times (copy = lane % 16, 8-byte entries, so a half-warp's lookups hit distinct
+// banks): grid[256][16] uint2 magnitudes (bytes 8, 25 or 43) at byte 0, sign[128][16] uint2 byte masks (0xFF
+// for a negative weight) at byte kGridBytes of the tables.
+constexpr int kGridBytes = 256 * 16 * 8;
+constexpr int kSignBytes = 128 * 16 * 8;
+
 struct Tables {
-  const uint2* grid;  // [256][16]: IQ2_XXS grid magnitudes (8 bytes), one copy per half-warp lane
-  const uint4* sign;  // [128][8]: {byte masks 0xFF of negative weights (lo, hi word), -(mask & 0x01010101)}
+  const uint8_t* base;  // the tables, plus this lane's copy offset (lane % 16) * 8
 };
 
 template <class Fmt>
@@ -96,7 +170,7 @@ struct Sub<FmtQ8_0> {  // half d @0; int8 qs[32] @2: a chunk is 64 blocks
 template <>
 struct Sub<FmtIQ2_XXS> {  // half d @0; 8 x (u8 grid index[4], u32 signs|scale) @2: a chunk is 8 blocks
   static constexpr int kChunkBytes = kSubPerChunk / 8 * 66;
-  static constexpr int kTableBytes = 256 * 16 * 8 + 128 * 8 * 16;
+  static constexpr int kTableBytes = kGridBytes + kSignBytes;
   __device__ __forceinline__ static float decode(const uint8_t* chunk, int sub, uint32_t q[8], const Tables& tab) {
     const uint32_t blk = 66u * (uint32_t)(sub >> 3);
     const uint32_t o = blk + 2u + 8u * (uint32_t)(sub & 7);
@@ -105,91 +179,58 @@ struct Sub<FmtIQ2_XXS> {  // half d @0; 8 x (u8 grid index[4], u32 signs|scale) 
     const uint32_t w0 = wp[0], w1 = wp[1], w2 = wp[2];
     const uint32_t idx = __funnelshift_r(w0, w1, sh), a1 = __funnelshift_r(w1, w2, sh);
     const float d = __half2float(__ushort_as_half(*reinterpret_cast<const uint16_t*>(chunk + blk)));
-    const int rep = threadIdx.x & 15;
 #pragma unroll
     for (int l = 0; l < 4; ++l) {
-      const uint2 g = tab.grid[((idx >> (8 * l)) & 255u) * 16 + rep];
-      const uint4 s = tab.sign[((a1 >> (7 * l)) & 127u) * 8 + (rep & 7)];
-      // a negative byte m becomes (m - 1) ^ 0xFF = -m; grid bytes are >= 8, so m - 1 never borrows.
-      q[2 * l] = (g.x + s.z) ^ s.x;
-      q[2 * l + 1] = (g.y + s.w) ^ s.y;
+      // byte offsets of entry (index · 16 + copy) · 8: the index lands in bits 7.. of the offset.
+      const uint32_t g_at = (l == 0 ? idx << 7 : idx >> (8 * l - 7)) & 0x7F80u;
+      const uint32_t s_at = (l == 0 ? a1 << 7 : a1 >> (7 * l - 7)) & 0x3F80u;
+      const uint2 g = *reinterpret_cast<const uint2*>(tab.base + g_at);
+      const uint2 m = *reinterpret_cast<const uint2*>(tab.base + kGridBytes + s_at);
+      // a negative byte g becomes (g ^ 0xFF) + 1 = -g; g <= 43, so the + 1 never carries into the next byte.
+      q[2 * l] = (g.x ^ m.x) + (m.x & 0x01010101u);
+      q[2 * l + 1] = (g.y ^ m.y) + (m.y & 0x01010101u);
     }
     return __fmul_rn(__fmul_rn(d, __fadd_rn(0.5f, (float)(a1 >> 28))), 0.25f);
   }
 };
 
 template <class Fmt>
-__device__ void init_tables(uint8_t* smem, Tables* tab) {
+__device__ Tables init_tables(uint8_t* smem) {
   if constexpr (Sub<Fmt>::kTableBytes > 0) {
     uint2* grid = reinterpret_cast<uint2*>(smem);
-    uint4* sign = reinterpret_cast<uint4*>(smem + 256 * 16 * 8);
-    for (int i = threadIdx.x; i < 256 * 16; i += blockDim.x) {
-      const uint64_t g = kIq2xxsGridDevice[i >> 4];
-      grid[i] = make_uint2((uint32_t)g, (uint32_t)(g >> 32));
-    }
-    for (int i = threadIdx.x; i < 128 * 8; i += blockDim.x) {
-      const uint32_t s = iq2_sign_byte((uint32_t)(i >> 3));
+    uint2* sign = reinterpret_cast<uint2*>(smem + kGridBytes);
+    constexpr int kPerThread = 256 * 16 / kThreads;  // all loads first: one global round trip, not kPerThread
+    uint64_t g[kPerThread];
+#pragma unroll
+    for (int j = 0; j < kPerThread; ++j) g[j] = kIq2xxsGridDevice[(threadIdx.x + j * kThreads) >> 4];
+#pragma unroll
+    for (int j = 0; j < kPerThread; ++j) grid[threadIdx.x + j * kThreads] = make_uint2((uint32_t)g[j], (uint32_t)(g[j] >> 32));
+    for (int i = threadIdx.x; i < 128 * 16; i += kThreads) {
+      const uint32_t s = iq2_sign_byte((uint32_t)(i >> 4));
       uint32_t m[2];
       for (int h = 0; h < 2; ++h) {
         m[h] = 0;
         for (int j = 0; j < 4; ++j) m[h] |= ((s >> (4 * h + j)) & 1u) ? 0xFFu << (8 * j) : 0u;
       }
-      sign[i] = make_uint4(m[0], m[1], 0u - (m[0] & 0x01010101u), 0u - (m[1] & 0x01010101u));
+      sign[i] = make_uint2(m[0], m[1]);
     }
     __syncthreads();
-    tab->grid = grid;
-    tab->sign = sign;
   }
+  return Tables{smem + (threadIdx.x & 15) * 8};
 }
 
 struct Args {
-  const uint8_t* w;        // rows of the selected matrix
-  const int8_t* limbs;     // [T, 3, K] (global memory)
-  const float* scales;     // [T, K/32]
+  const uint8_t* w;  // rows of the selected matrix
   float* y;
   int64_t N, K, row_bytes;
-  int copy_bytes;          // 16, 8 or 4: asynchronous copy width; 2: synchronous 2-byte copies
-  int x_tokens;            // tokens whose activations a CTA copies to shared memory (0: read them from global)
+  int copy_bytes;  // 16, 8 or 4: asynchronous copy width (divides the rows, the chunks and the base address)
 };
-
-// Where a warp reads activations: limbs/scales of token `tok0 + i` at limbs + i*3K, scales + i*K/32 (shared
-// memory holding tokens [tok0, tok0 + x_tokens), or global memory with tok0 = 0).
-struct XView {
-  const int8_t* limbs;
-  const float* scales;
-  int tok0;
-};
-
-// Copies the activations of tokens [tok0, tok0 + ntok) into shared memory (16-byte limb words: 3K is a
-// multiple of 96; 4-byte scale words), then a CTA barrier.
-__device__ __forceinline__ XView stage_x(const Args& a, int tok0, int ntok, uint8_t* dst) {
-  const int64_t nl = limb_bytes(ntok, a.K) / 16, ns = ntok * (a.K / 32);
-  const uint4* src = reinterpret_cast<const uint4*>(a.limbs + limb_bytes(tok0, a.K));
-  for (int64_t i = threadIdx.x; i < nl; i += blockDim.x) reinterpret_cast<uint4*>(dst)[i] = src[i];
-  float* sc = reinterpret_cast<float*>(dst + limb_bytes(ntok, a.K));
-  for (int64_t i = threadIdx.x; i < ns; i += blockDim.x) sc[i] = a.scales[tok0 * (a.K / 32) + i];
-  __syncthreads();
-  return XView{reinterpret_cast<const int8_t*>(dst), sc, tok0};
-}
-
-// Starts copying chunk c of rows [row0, row0 + nrows) into `dst` (row r at dst + r*RS), then commits the
-// copy group (also when there is nothing to copy, so group counting stays uniform).
-template <int CB, int RS>
-__device__ __forceinline__ void issue_chunk(uint8_t* dst, const Args& a, int64_t row0, int nrows, int64_t c, int lane) {
-  const int64_t off = c * CB;
-  const int len = (int)(a.row_bytes - off < CB ? a.row_bytes - off : CB);
-  const int v = a.copy_bytes, pieces = len / v;
-  for (int r = 0; r < nrows; ++r) {
-    const uint8_t* src = a.w + (row0 + r) * a.row_bytes + off;
-    for (int p = lane; p < pieces; p += kLanes) gpu_copy_async(dst + r * RS + p * v, src + p * v, v);
-  }
-  gpu_copy_commit();
-}
 
 // A position in a warp's stream of (group of R rows, K chunk) items.
 struct Cursor {
-  int64_t group, chunk;
-  __device__ __forceinline__ void next(int64_t stride, int64_t nchunks) {
+  int64_t group;
+  int chunk;
+  __device__ __forceinline__ void next(int64_t stride, int nchunks) {
     if (++chunk == nchunks) {
       chunk = 0;
       group += stride;
@@ -197,45 +238,40 @@ struct Cursor {
   }
 };
 
-// One warp: its groups of R rows (group0, group0 + stride, ...) times the columns in `cols`.
 // Stages of a warp's copy ring: enough that about 4 KB of each warp's rows are in flight while it computes.
 template <class Fmt, int R>
 constexpr int kStages = std::min(8, std::max(2, 1 + (4096 + R * Sub<Fmt>::kChunkBytes - 1) / (R * Sub<Fmt>::kChunkBytes)));
+template <class Fmt>
+constexpr int kRowStride = (Sub<Fmt>::kChunkBytes + 4 + 15) / 16 * 16;  // + 4: the decoders read one word past a row
 
 // |i| < 2^22 as float, exactly: 1.5·2^23 + i built in the mantissa, minus 1.5·2^23 (two full-rate operations).
 __device__ __forceinline__ float small_int_to_float(int i) {
   return __fsub_rn(__int_as_float(0x4B400000 + i), 12582912.0f);
 }
 
-// Sub-block `sub` of a staged chunk (global sub-block index sb) for R rows and NC columns: exact int32 limb dot
-// products (their summation order is free: integer adds are exact), then one fixed fp32 sequence into acc.
-// Column t's activations: limbs at xv.limbs + xcol.limb[t] (int8, limb l at +l·K), scales at
-// xv.scales + xcol.scale[t]; 32-bit offsets computed once per pass (activations are small).
-template <int NC>
-struct XCols {
-  int limb[NC], scale[NC];
-};
-
+// Sub-block `sub` of a staged chunk (global sub-block index sb) for R rows and the first ncols of NC token
+// slots: exact int32 limb dot products (their summation order is free: integer adds are exact), then one fixed
+// fp32 sequence into acc.
 template <class Fmt, int NC, int R>
-__device__ __forceinline__ void sub_block(const XView& xv, const XCols<NC>& xc, int ncols, int k16, const uint8_t* st,
-                                          int RS, int sub, int sb, int nrows, const Tables& tab, float (&acc)[R][NC]) {
+__device__ __forceinline__ void sub_block(const XView& xv, int ncols, const uint8_t* st, int sub, int sb, int nrows,
+                                          const Tables& tab, float (&acc)[R][NC]) {
   uint32_t q[R][8];
   float dw[R];
 #pragma unroll
   for (int r = 0; r < R; ++r)
-    if (r < nrows) dw[r] = Sub<Fmt>::decode(st + r * RS, sub, q[r], tab);
+    if (r < nrows) dw[r] = Sub<Fmt>::decode(st + r * kRowStride<Fmt>, sub, q[r], tab);
 #pragma unroll
   for (int t = 0; t < NC; ++t) {
     if (t < ncols) {
-      const int4* xl = reinterpret_cast<const int4*>(xv.limbs + xc.limb[t]) + 2 * sb;
+      const uint4* xl = xv.limbs + t * 6 * xv.nsub + sb;
       int xw[3][8];
 #pragma unroll
       for (int l = 0; l < 3; ++l) {
-        const int4 u = xl[l * k16], v = xl[l * k16 + 1];
-        xw[l][0] = u.x; xw[l][1] = u.y; xw[l][2] = u.z; xw[l][3] = u.w;
-        xw[l][4] = v.x; xw[l][5] = v.y; xw[l][6] = v.z; xw[l][7] = v.w;
+        const uint4 u = xl[2 * l * xv.nsub], v = xl[(2 * l + 1) * xv.nsub];
+        xw[l][0] = (int)u.x; xw[l][1] = (int)u.y; xw[l][2] = (int)u.z; xw[l][3] = (int)u.w;
+        xw[l][4] = (int)v.x; xw[l][5] = (int)v.y; xw[l][6] = (int)v.z; xw[l][7] = (int)v.w;
       }
-      const float xs = xv.scales[xc.scale[t] + sb];
+      const float xs = xv.scales[t * xv.nsub + sb];
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         if (r < nrows) {
@@ -258,36 +294,41 @@ __device__ __forceinline__ void sub_block(const XView& xv, const XCols<NC>& xc, 
   }
 }
 
+// One warp: its groups of R rows (group0, group0 + stride, ...) times the first ncols tokens of xs; output of
+// token slot t goes to row y_rows[t] of a.y. The warp starts its first weight copies, then takes part in
+// staging the CTA's activations (so their global loads overlap), then computes.
 template <class Fmt, int NC, int R>
-__device__ void warp_rows(const Args& a, const ColTable& cols, const XView& xv, int64_t group0, int64_t stride,
+__device__ void warp_rows(const Args& a, const XSource& xs, const int* y_rows, int ncols, int64_t group0, int64_t stride,
                           uint8_t* stages, const Tables& tab) {
-  using S = Sub<Fmt>;
-  constexpr int CB = S::kChunkBytes, RS = (CB + 4 + 15) / 16 * 16, D = kStages<Fmt, R>;
+  constexpr int CB = Sub<Fmt>::kChunkBytes, RS = kRowStride<Fmt>, D = kStages<Fmt, R>;
   const int lane = threadIdx.x % kLanes;
-  const int64_t ngroups = (a.N + R - 1) / R, nsub = a.K / 32;
-  const int64_t nchunks = (nsub + kSubPerChunk - 1) / kSubPerChunk;
-  if (group0 >= ngroups) return;
+  const int64_t ngroups = (a.N + R - 1) / R;
+  const int nsub = (int)(a.K / 32), nchunks = (nsub + kSubPerChunk - 1) / kSubPerChunk;
+  // Copy pieces per row of a whole chunk and of the last one (the copy width is a power of two).
+  const int v = a.copy_bytes, vshift = v == 16 ? 4 : v == 8 ? 3 : 2;
+  const int pieces_full = CB >> vshift, pieces_last = (int)(a.row_bytes - (int64_t)(nchunks - 1) * CB) >> vshift;
   auto nrows_of = [&](int64_t group) { return (int)(a.N - group * R < R ? a.N - group * R : R); };
   Cursor in{group0, 0}, at{group0, 0};  // next item to copy, item to compute
   int slot_in = 0, slot_at = 0;
+  // Starts copying item `in` into stage slot_in, then commits the copy group (also when there is nothing to
+  // copy, so group counting stays uniform).
   auto issue = [&]() {
     if (in.group < ngroups) {
-      issue_chunk<CB, RS>(stages + slot_in * R * RS, a, in.group * R, nrows_of(in.group), in.chunk, lane);
+      const uint8_t* src = a.w + in.group * R * a.row_bytes + in.chunk * CB + lane * v;
+      uint8_t* dst = stages + slot_in * R * RS + lane * v;
+      const int pieces = in.chunk == nchunks - 1 ? pieces_last : pieces_full, nrows = nrows_of(in.group);
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+        if (r < nrows)
+          for (int p = lane, o = 0; p < pieces; p += kLanes, o += kLanes * v)
+            gpu_copy_async(dst + r * RS + o, src + r * a.row_bytes + o, v);
       in.next(stride, nchunks);
-    } else {
-      gpu_copy_commit();
     }
+    gpu_copy_commit();
     slot_in = slot_in + 1 == D ? 0 : slot_in + 1;
   };
   for (int i = 0; i < D - 1; ++i) issue();
-  const int k16 = (int)(a.K / 16);
-  XCols<NC> xc;
-#pragma unroll
-  for (int t = 0; t < NC; ++t) {
-    const int xi = t < cols.ncols ? cols.x_row[t] - xv.tok0 : 0;
-    xc.limb[t] = xi * 3 * (int)a.K;
-    xc.scale[t] = xi * (int)nsub;
-  }
+  const XView xv = stage_x(xs);
   float acc[R][NC];
   for (; at.group < ngroups; at.next(stride, nchunks), slot_at = slot_at + 1 == D ? 0 : slot_at + 1) {
     gpu_copy_wait<D - 2>();
@@ -304,8 +345,8 @@ __device__ void warp_rows(const Args& a, const ColTable& cols, const XView& xv, 
 #pragma unroll
     for (int h = 0; h < kSubPerLane; ++h) {
       const int sub = h * kLanes + lane;
-      const int sb = (int)at.chunk * kSubPerChunk + sub;
-      if (sb < nsub) sub_block<Fmt, NC, R>(xv, xc, cols.ncols, k16, st, RS, sub, sb, nrows, tab, acc);
+      const int sb = at.chunk * kSubPerChunk + sub;
+      if (sb < nsub) sub_block<Fmt, NC, R>(xv, ncols, st, sub, sb, nrows, tab, acc);
     }
     if (at.chunk == nchunks - 1) {
       const int64_t row0 = at.group * R;
@@ -315,7 +356,7 @@ __device__ void warp_rows(const Args& a, const ColTable& cols, const XView& xv, 
         for (int t = 0; t < NC; ++t) {
           float s = acc[r][t];
           for (int m = kLanes / 2; m > 0; m >>= 1) s = __fadd_rn(s, gpu_shfl_xor(s, m));
-          if (lane == 0 && r < nrows && t < cols.ncols) a.y[(int64_t)cols.y_row[t] * a.N + row0 + r] = s;
+          if (lane == 0 && r < nrows && t < ncols) a.y[(int64_t)y_rows[t] * a.N + row0 + r] = s;
         }
     }
   }
@@ -324,39 +365,41 @@ __device__ void warp_rows(const Args& a, const ColTable& cols, const XView& xv, 
 }
 
 // Shared memory of one CTA: the tables, per warp kStages stages of R staged row chunks, then the activations
-// of x_tokens tokens in the workspace layout (workspace_bytes(x_tokens, K)).
+// of up to `slots` tokens (slots * x_token_bytes(K)).
 template <class Fmt, int R>
-constexpr int kWarpStageBytes = kStages<Fmt, R> * R * ((Sub<Fmt>::kChunkBytes + 4 + 15) / 16 * 16);
+constexpr int kWarpStageBytes = kStages<Fmt, R> * R * kRowStride<Fmt>;
 template <class Fmt, int R>
 constexpr int kFixedSmemBytes = Sub<Fmt>::kTableBytes + kWarps * kWarpStageBytes<Fmt, R>;
 
 template <class Fmt, int NC, int R>
-__device__ void cta_rows(const Args& a, const ColTable& cols, const XView& xv, uint8_t* smem, const Tables& tab) {
+__device__ void cta_rows(const Args& a, const XSource& xs, const int* y_rows, int ncols, uint8_t* smem, const Tables& tab) {
   const int warp = threadIdx.x / kLanes;
   uint8_t* stages = smem + Sub<Fmt>::kTableBytes + warp * kWarpStageBytes<Fmt, R>;
-  warp_rows<Fmt, NC, R>(a, cols, xv, (int64_t)blockIdx.x * kWarps + warp, (int64_t)gridDim.x * kWarps, stages, tab);
+  warp_rows<Fmt, NC, R>(a, xs, y_rows, ncols, (int64_t)blockIdx.x * kWarps + warp, (int64_t)gridDim.x * kWarps, stages,
+                        tab);
 }
 
-// Dense: grid (persistent CTAs, column tiles of kMaxCols tokens).
+// Dense: grid (persistent CTAs, token tiles of `slots` tokens).
 template <class Fmt, int NC, int R>
-__global__ void __launch_bounds__(kThreads, 2) qmatmul_kernel(Args a, int64_t T) {
+__global__ void __launch_bounds__(kThreads, 2) qmatmul_kernel(Args a, const void* __restrict__ x, bool bf16, int64_t T,
+                                                              int slots) {
   extern __shared__ __align__(16) uint8_t smem[];
-  Tables tab{};
-  init_tables<Fmt>(smem, &tab);
-  ColTable cols;
-  const int64_t t0 = (int64_t)blockIdx.y * kMaxCols;
-  cols.ncols = (int)(T - t0 < kMaxCols ? T - t0 : kMaxCols);
-  for (int c = 0; c < kMaxCols; ++c) cols.x_row[c] = cols.y_row[c] = (int)(t0 + (c < cols.ncols ? c : 0));
-  const XView xv = a.x_tokens > 0 ? stage_x(a, (int)t0, cols.ncols, smem + kFixedSmemBytes<Fmt, R>)
-                                  : XView{a.limbs, a.scales, 0};
-  cta_rows<Fmt, NC, R>(a, cols, xv, smem, tab);
+  __shared__ int s_rows[kMaxCols];
+  const Tables tab = init_tables<Fmt>(smem);
+  const int64_t t0 = (int64_t)blockIdx.y * slots;
+  const int ncols = (int)(T - t0 < slots ? T - t0 : slots);
+  if (threadIdx.x < kMaxCols) s_rows[threadIdx.x] = (int)(t0 + threadIdx.x);
+  __syncthreads();
+  cta_rows<Fmt, NC, R>(a, XSource{x, bf16, a.K, s_rows, ncols, slots, smem + kFixedSmemBytes<Fmt, R>}, s_rows, ncols,
+                       smem, tab);
 }
 
 // MoE: grid (persistent CTAs, slot p). The CTAs of slot p serve expert ids[p] only if p is its first slot,
-// then loop over all slots choosing it, kMaxCols at a time: each selected expert is read once per call.
+// then loop over all slots choosing it, `slots` at a time: each selected expert is read once per call.
 template <class Fmt, int R>
-__global__ void __launch_bounds__(kThreads, 2) qmatmul_id_kernel(Args a, const int32_t* __restrict__ ids, int64_t E,
-                                                                 int topk, int P) {
+__global__ void __launch_bounds__(kThreads, 2) qmatmul_id_kernel(Args a, const void* __restrict__ x, bool bf16,
+                                                                 const int32_t* __restrict__ ids, int64_t E, int topk,
+                                                                 int P, int slots) {
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ ColTable s_cols;
   __shared__ int s_next;
@@ -364,58 +407,49 @@ __global__ void __launch_bounds__(kThreads, 2) qmatmul_id_kernel(Args a, const i
   const int32_t e = ids[p];
   for (int q = 0; q < p; ++q)
     if (ids[q] == e) return;  // an earlier slot's CTAs serve this expert
-  Tables tab{};
-  init_tables<Fmt>(smem, &tab);
-  const XView xv = a.x_tokens > 0 ? stage_x(a, 0, a.x_tokens, smem + kFixedSmemBytes<Fmt, R>)
-                                  : XView{a.limbs, a.scales, 0};
+  const Tables tab = init_tables<Fmt>(smem);
   const bool valid = e >= 0 && e < E;
   Args ae = a;
   ae.w = a.w + (valid ? e : 0) * a.N * a.row_bytes;
   for (int start = p; start < P;) {
-    const ColTable cols = next_expert_cols(ids, e, topk, P, &start, &s_cols, &s_next);
-    if (cols.ncols == 0) break;
+    const int ncols = next_expert_cols(ids, e, topk, P, slots, &start, &s_cols, &s_next);
+    if (ncols == 0) break;
     if (!valid) {
-      for (int64_t i = (int64_t)blockIdx.x * kThreads + threadIdx.x; i < cols.ncols * a.N; i += (int64_t)gridDim.x * kThreads)
-        a.y[(int64_t)cols.y_row[i / a.N] * a.N + i % a.N] = 0.0f;
+      for (int64_t i = (int64_t)blockIdx.x * kThreads + threadIdx.x; i < ncols * a.N; i += (int64_t)gridDim.x * kThreads)
+        a.y[(int64_t)s_cols.y_row[i / a.N] * a.N + i % a.N] = 0.0f;
     } else {
-      visit_cols(cols.ncols, [&](auto nc) { cta_rows<Fmt, decltype(nc)::value, R>(ae, cols, xv, smem, tab); });
+      const XSource xs{x, bf16, a.K, s_cols.x_row, ncols, slots, smem + kFixedSmemBytes<Fmt, R>};
+      visit_cols(ncols, [&](auto nc) { cta_rows<Fmt, decltype(nc)::value, R>(ae, xs, s_cols.y_row, ncols, smem, tab); });
     }
+    __syncthreads();  // every warp is done with this pass's activations and columns before the next pass
   }
 }
 
 // ---- host side ----
-// Largest copy width the rows, chunks and base address all allow.
-inline int copy_width(const uint8_t* w, int64_t row_bytes, int chunk_bytes) {
-  const auto base = reinterpret_cast<uintptr_t>(w);
-  for (int v : {16, 8, 4})
-    if (row_bytes % v == 0 && chunk_bytes % v == 0 && base % v == 0) return v;
-  return 2;
+// An attribute of the current device, queried once per attribute.
+template <auto kAttr>
+int device_attribute() {
+  static const int v = [] {
+    int dev = 0, value = 0;
+    (void)gpuGetDevice(&dev);
+    (void)gpuDeviceGetAttribute(&value, kAttr, dev);
+    return value;
+  }();
+  return v;
 }
+inline int sm_count() { return device_attribute<gpuDevAttrMultiProcessorCount>(); }
+inline int smem_optin() { return device_attribute<gpuDevAttrMaxSharedMemoryPerBlockOptin>(); }
 
 // Resident CTAs of a kernel with `smem` bytes of dynamic shared memory on the current device. The kernel's
 // shared-memory limit is raised once, and the occupancy is computed once per distinct `smem` (host-side calls
 // only, no stream work: capture-safe; cached because the handler runs on every call outside command buffers).
-// Streaming multiprocessors of the current device (queried once).
-inline int sm_count() {
-  static const int n = [] {
-    int dev = 0, v = 0;
-    (void)gpuGetDevice(&dev);
-    (void)gpuDeviceGetAttribute(&v, gpuDevAttrMultiProcessorCount, dev);
-    return v;
-  }();
-  return n;
-}
-
 template <auto kKernel>
 int resident_ctas(int smem) {
   static const bool raised = [] {
-    int dev = 0, optin = 0;
-    (void)gpuGetDevice(&dev);
-    (void)gpuDeviceGetAttribute(&optin, gpuDevAttrMaxSharedMemoryPerBlockOptin, dev);
     gpuFuncAttributes attr{};
     (void)gpuFuncGetAttributes(&attr, reinterpret_cast<const void*>(kKernel));
     return gpuFuncSetAttribute(reinterpret_cast<const void*>(kKernel), gpuFuncAttributeMaxDynamicSharedMemorySize,
-                               optin - (int)attr.sharedSizeBytes) == gpuSuccess;
+                               smem_optin() - (int)attr.sharedSizeBytes) == gpuSuccess;
   }();
   (void)raised;
   static int cached_smem = -1, cached_ctas = 0;
@@ -450,60 +484,78 @@ void visit_rows(int R, F&& f) {
   f(std::integral_constant<int, 1>{});
 }
 
-template <class XT>
-void quantize_x(gpuStream_t stream, const XT* x, int64_t T, int64_t K, uint8_t* ws) {
-  const dim3 grid((unsigned)((K / 32 + kWarps - 1) / kWarps), (unsigned)T);
-  quantize_x_kernel<XT><<<grid, kThreads, 0, stream>>>(x, reinterpret_cast<int8_t*>(ws),
-                                                        reinterpret_cast<float*>(ws + limb_bytes(T, K)), K);
+// Largest copy width the rows, chunks and base address all allow (0: none, the call takes the float path).
+inline int copy_width(const uint8_t* w, int64_t row_bytes, int chunk_bytes) {
+  const auto base = reinterpret_cast<uintptr_t>(w);
+  for (int v : {16, 8, 4})
+    if (row_bytes % v == 0 && chunk_bytes % v == 0 && base % v == 0) return v;
+  return 0;
 }
 
-// Activations of up to this many bytes per CTA are copied to shared memory (read once per CTA instead of once
-// per warp and row group); beyond it warps read them from global memory.
-constexpr int64_t kXSmemBudget = 112 * 1024;
+// Token slots a CTA can stage next to `fixed_smem` bytes of shared memory (at most kMaxCols and `wanted`; 0:
+// not even one token's activations fit, the call takes the float path).
+inline int token_slots(int64_t K, int64_t wanted, int fixed_smem) {
+  const int64_t room = smem_optin() - 1024 - fixed_smem;  // 1 KB: the kernels' static shared memory
+  return (int)std::max<int64_t>(0, std::min<int64_t>({kMaxCols, wanted, room / x_token_bytes(K)}));
+}
+
+// Largest R per format: a Q8_0 chunk is 2 KB per row, so four rows' copy rings would crowd out the activations.
+template <class Fmt>
+constexpr int kMaxRows = Sub<Fmt>::kChunkBytes > 1024 ? 2 : 4;
+
+// Rows per group with NC token columns: eight columns leave registers for at most two rows.
+template <int NC, int R>
+constexpr int kRowsWith = NC == 8 && R > 2 ? 2 : R;
 
 // Launches `kernel` over a grid of (persistent CTAs, ny): about as many CTAs per y as fit on the device at
 // once when `busy_y` of the ny grid rows have work, at most one per kWarps row groups.
 template <auto kKernel, int R, class... A>
-void launch_persistent(gpuStream_t stream, const Args& a, int fixed_smem, unsigned ny, int busy_y, A... args) {
-  const int smem = fixed_smem + (int)workspace_bytes(a.x_tokens, a.K);
+void launch_persistent(gpuStream_t stream, const Args& a, int fixed_smem, int slots, unsigned ny, int busy_y, A... args) {
+  const int smem = fixed_smem + (int)(slots * x_token_bytes(a.K));
   const int64_t groups = (a.N + R - 1) / R, ctas_needed = (groups + kWarps - 1) / kWarps;
   const int64_t per_y = std::max<int64_t>(1, resident_ctas<kKernel>(smem) / busy_y);
   kKernel<<<dim3((unsigned)std::min(ctas_needed, per_y), ny), kThreads, smem, stream>>>(a, args...);
 }
 
-inline Args make_args(const uint8_t* w, const uint8_t* ws, float* y, const QDims& d, int chunk_bytes, int64_t x_tokens) {
-  return Args{w, reinterpret_cast<const int8_t*>(ws), reinterpret_cast<const float*>(ws + limb_bytes(d.T, d.K)), y,
-              d.N, d.K, d.row_bytes, copy_width(w, d.row_bytes, chunk_bytes),
-              workspace_bytes(x_tokens, d.K) <= kXSmemBudget ? (int)x_tokens : 0};
+// Launches the integer-path matmul; false (nothing launched) when the call does not fit it.
+template <class Fmt>
+bool launch_qmatmul(gpuStream_t stream, const QDims& d, const uint8_t* w, const void* x, bool bf16, float* y) {
+  const Args a{w, y, d.N, d.K, d.row_bytes, copy_width(w, d.row_bytes, Sub<Fmt>::kChunkBytes)};
+  bool launched = false;
+  if (a.copy_bytes == 0) return launched;
+  visit_rows<kMaxRows<Fmt>>(pick_rows(d.N), [&](auto rc) {
+    const int slots = token_slots(d.K, d.T, kFixedSmemBytes<Fmt, decltype(rc)::value>);
+    if (slots == 0) return;
+    const unsigned tiles = (unsigned)((d.T + slots - 1) / slots);
+    visit_cols(slots, [&](auto nc) {
+      constexpr int kNC = decltype(nc)::value, kR = kRowsWith<kNC, decltype(rc)::value>;
+      launch_persistent<qmatmul_kernel<Fmt, kNC, kR>, kR>(stream, a, kFixedSmemBytes<Fmt, kR>, slots, tiles,
+                                                          (int)tiles, x, bf16, d.T, slots);
+    });
+    launched = true;
+  });
+  return launched;
 }
 
-template <class Fmt, class XT>
-void launch_qmatmul(gpuStream_t stream, const QDims& d, const uint8_t* w, const XT* x, uint8_t* ws, float* y) {
-  quantize_x(stream, x, d.T, d.K, ws);
-  const Args a = make_args(w, ws, y, d, Sub<Fmt>::kChunkBytes, std::min<int64_t>(d.T, kMaxCols));
-  const unsigned tiles = (unsigned)((d.T + kMaxCols - 1) / kMaxCols);
-  auto run = [&](auto nc, auto rc) {
-    constexpr int kR = decltype(rc)::value;
-    launch_persistent<qmatmul_kernel<Fmt, decltype(nc)::value, kR>, kR>(stream, a, kFixedSmemBytes<Fmt, kR>, tiles,
-                                                                         (int)tiles, d.T);
-  };
-  const int R = pick_rows(d.N);
-  visit_cols(d.T, [&](auto nc) { visit_rows<decltype(nc)::value == 8 ? 2 : 4>(R, [&](auto rc) { run(nc, rc); }); });
-}
-
-template <class Fmt, class XT>
-void launch_qmatmul_id(gpuStream_t stream, const QDims& d, const uint8_t* w, const XT* x, const int32_t* ids,
-                       uint8_t* ws, float* y) {
-  quantize_x(stream, x, d.T, d.K, ws);
-  const Args a = make_args(w, ws, y, d, Sub<Fmt>::kChunkBytes, d.T);
+template <class Fmt>
+bool launch_qmatmul_id(gpuStream_t stream, const QDims& d, const uint8_t* w, const void* x, bool bf16,
+                       const int32_t* ids, float* y) {
+  const Args a{w, y, d.N, d.K, d.row_bytes, copy_width(w, d.row_bytes, Sub<Fmt>::kChunkBytes)};
   const int P = (int)(d.T * d.k);
+  bool launched = false;
+  if (a.copy_bytes == 0) return launched;
+  // At most two rows per group: the MoE kernel holds every column count's loop, and four rows would spill.
   visit_rows<2>(pick_rows(d.N * std::min(P, kMaxCols)), [&](auto rc) {
     constexpr int kR = decltype(rc)::value;
+    const int slots = token_slots(d.K, P, kFixedSmemBytes<Fmt, kR>);
+    if (slots == 0) return;
     // Slots beyond the first of each expert exit at once; with distinct experts per token about min(P, 8)
     // slots' CTAs run at a time.
-    launch_persistent<qmatmul_id_kernel<Fmt, kR>, kR>(stream, a, kFixedSmemBytes<Fmt, kR>, (unsigned)P,
-                                                      std::min(P, kMaxCols), ids, d.E, (int)d.k, P);
+    launch_persistent<qmatmul_id_kernel<Fmt, kR>, kR>(stream, a, kFixedSmemBytes<Fmt, kR>, slots, (unsigned)P,
+                                                      std::min(P, kMaxCols), x, bf16, ids, d.E, (int)d.k, P, slots);
+    launched = true;
   });
+  return launched;
 }
 
 }  // namespace i8

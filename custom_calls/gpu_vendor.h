@@ -2,8 +2,7 @@
 // and with hipcc (HIP_PLATFORM=amd). A "warp" here is always 32 logical lanes (on wave64 AMD GPUs a
 // wavefront holds two of them; the shuffles are width-32).
 //
-// gpu_copy_async(dst_smem, src_global, bytes) copies 4, 8 or 16 bytes (2 on the synchronous path) from
-// global to shared memory: asynchronously on CUDA (cp.async, sm_80+; visible after gpu_copy_wait<n> left at
+// gpu_copy_async(dst_smem, src_global, bytes) copies 4, 8 or 16 bytes from global to shared memory: asynchronously on CUDA (cp.async, sm_80+; visible after gpu_copy_wait<n> left at
 // most n of this thread's committed groups pending, plus a warp barrier), synchronously on HIP.
 #pragma once
 #include <cstdint>
@@ -35,8 +34,7 @@ __device__ __forceinline__ int gpu_dp4a(int a, int b, int c) {
 __device__ __forceinline__ void gpu_copy_async(void* dst, const void* src, int bytes) {
   if (bytes == 16) *static_cast<uint4*>(dst) = *static_cast<const uint4*>(src);
   else if (bytes == 8) *static_cast<uint2*>(dst) = *static_cast<const uint2*>(src);
-  else if (bytes == 4) *static_cast<uint32_t*>(dst) = *static_cast<const uint32_t*>(src);
-  else *static_cast<uint16_t*>(dst) = *static_cast<const uint16_t*>(src);
+  else *static_cast<uint32_t*>(dst) = *static_cast<const uint32_t*>(src);
 }
 __device__ __forceinline__ void gpu_copy_commit() {}
 template <int n>
@@ -66,8 +64,7 @@ __device__ __forceinline__ void gpu_copy_async(void* dst, const void* src, int b
   const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
   if (bytes == 16) asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src));
   else if (bytes == 8) asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(d), "l"(src));
-  else if (bytes == 4) asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(d), "l"(src));
-  else *static_cast<uint16_t*>(dst) = *static_cast<const uint16_t*>(src);
+  else asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(d), "l"(src));
 }
 __device__ __forceinline__ void gpu_copy_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int n>

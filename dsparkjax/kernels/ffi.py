@@ -21,7 +21,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsparkjax.errors import DsparkError
-from dsparkjax.formats import GGMLType
 
 BUILD_HINT = (
     "build it with `pip install -e .` (CMake; `DSPARKJAX_CUDA=ON pip install -e .` adds the CUDA plugin) or "
@@ -130,32 +129,16 @@ def _call(target: str, out: object, *args: jax.Array, **attrs: np.generic):
     return jax.ffi.ffi_call(target, out, vmap_method="broadcast_all")(*args, **attrs)
 
 
-# Formats the GPU handlers run on integer dot products (custom_calls/gpu_i8_matvec.cuh).
-_INT8_PATH_TYPES = (GGMLType.Q8_0, GGMLType.IQ2_XXS)
-
-
-def _workspace(ggml_type: int, t: int, k: int) -> jax.ShapeDtypeStruct:
-    """The matmul handlers' second output, dropped by the callers: on GPU, for the integer-path formats, the
-    activations as int8 limbs `[T, 3, K]` and their per-32 scales float32 `[T, K/32]`; empty otherwise (the
-    handlers share one signature on every platform). Mirrors `i8::workspace_bytes`."""
-    size = t * k * 3 + t * (k // 32) * 4 if int(ggml_type) in _INT8_PATH_TYPES else 0
-    return jax.ShapeDtypeStruct((size,), jnp.uint8)
-
-
 def qmatmul(x: jax.Array, w_packed: jax.Array, ggml_type: int) -> jax.Array:
     """FFI packed matmul: x `[T, K]` (f32|bf16), w_packed uint8 `[N, row_bytes]` -> float32 `[T, N]`."""
     out = jax.ShapeDtypeStruct((x.shape[0], w_packed.shape[0]), jnp.float32)
-    y, _ = _call("dspark_qmatmul", (out, _workspace(ggml_type, *x.shape)), x, w_packed, ggml_type=np.int32(ggml_type))
-    return y
+    return _call("dspark_qmatmul", out, x, w_packed, ggml_type=np.int32(ggml_type))
 
 
 def qmatmul_id(x: jax.Array, w_packed: jax.Array, ids: jax.Array, ggml_type: int) -> jax.Array:
     """FFI MoE matmul: x `[T, K]`, w_packed uint8 `[E, N, row_bytes]`, ids int32 `[T, k]` -> f32 `[T, k, N]`."""
     out = jax.ShapeDtypeStruct((x.shape[0], ids.shape[1], w_packed.shape[1]), jnp.float32)
-    y, _ = _call(
-        "dspark_qmatmul_id", (out, _workspace(ggml_type, *x.shape)), x, w_packed, ids, ggml_type=np.int32(ggml_type)
-    )
-    return y
+    return _call("dspark_qmatmul_id", out, x, w_packed, ids, ggml_type=np.int32(ggml_type))
 
 
 def hc_pre(
