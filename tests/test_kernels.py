@@ -81,7 +81,7 @@ def _qmatmul_id(x, w, ids, ggml_type, backend):
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     n=st.sampled_from([1, 3, 7, 16]),
-    nblocks=st.sampled_from([1, 3]),
+    nblocks=st.sampled_from([1, 3, 4]),  # 4: Q8_0 and IQ2_XXS rows 4-byte aligned (the GPU integer path)
     t_rows=st.integers(1, 8),
     bf16=st.booleans(),
     seed=st.integers(0, 2**31 - 1),
@@ -192,6 +192,42 @@ def test_qmatmul_id_more_tokens_than_a_pass(device):
     for j in range(2):
         assert_matmul_close(got[:, j], x64 @ dense.T, np.abs(x64) @ np.abs(dense).T)
     np.testing.assert_array_equal(got[:, 0], got[:, 1])
+
+
+@pytest.mark.parametrize("ggml_type", [GGMLType.Q8_0, GGMLType.IQ2_XXS], ids=lambda t: t.name)
+def test_qmatmul_many_rows(device, ggml_type):
+    """Enough rows that the GPU integer path groups 2 or 4 rows per warp (16899 rows: the last group is
+    partial), for T = 1, 3 and 8 against numpy, and row t of the 8-token call equal to the 1-token call."""
+    rng = np.random.default_rng(5)
+    n, k = 16899, 1024
+    w = random_packed(rng, ggml_type, (n,), k)
+    x = rng.standard_normal((8, k)).astype(np.float32)
+    dense = formats.dequantize(w, ggml_type, (n, k)).astype(np.float64)
+    (wd,) = _put(device, w)
+    full = None
+    for t_rows in (8, 3, 1):
+        got = np.asarray(_qmatmul(jax.device_put(x[:t_rows], device), wd, ggml_type, "ffi"))
+        x64 = np.asarray(x[:t_rows], np.float64)
+        assert_matmul_close(got, x64 @ dense.T, np.abs(x64) @ np.abs(dense).T)
+        full = got if full is None else full
+        np.testing.assert_array_equal(got, full[:t_rows])
+
+
+def test_qmatmul_id_many_rows(device):
+    """MoE with enough rows per expert that the GPU groups two rows per warp (1059 rows: a partial last group)."""
+    rng = np.random.default_rng(6)
+    t = GGMLType.IQ2_XXS
+    n_experts, n, k = 4, 1059, 1024
+    w = random_packed(rng, t, (n_experts, n), k)
+    x = rng.standard_normal((4, k)).astype(np.float32)
+    ids = np.array([[0, 1], [2, 3], [1, 2], [3, 0]], np.int32)
+    got = np.asarray(_qmatmul_id(*_put(device, x, w, ids), t, "ffi"))
+    dense = formats.dequantize(w, t, (n_experts, n, k)).astype(np.float64)[ids]
+    x64 = np.asarray(x, np.float64)
+    want = np.einsum("tk,tjnk->tjn", x64, dense)
+    assert_matmul_close(got, want, np.einsum("tk,tjnk->tjn", np.abs(x64), np.abs(dense)))
+    one = np.asarray(_qmatmul_id(*_put(device, x[2:3], w, ids[2:3]), t, "ffi"))
+    np.testing.assert_array_equal(one[0], got[2])
 
 
 @pytest.mark.parametrize("ggml_type", [GGMLType.Q8_0, GGMLType.IQ2_XXS], ids=lambda t: t.name)
