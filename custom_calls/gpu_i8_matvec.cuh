@@ -19,9 +19,9 @@
 // grid-stride loop; a group's K is cut into chunks of 2048 weights (64 sub-blocks, two per lane). The warp
 // streams (group, chunk) items through a ring of kStages shared-memory stages with asynchronous copies,
 // kStages-1 items ahead, across group boundaries. IQ2_XXS grid and sign tables live in shared memory,
-// replicated per lane of a half-warp so random lookups never conflict. Shared-memory traffic, not
-// arithmetic, is what bounds this loop on the H200 (ncu: L1/TEX busiest), so every layout below is chosen
-// for conflict-free 16-byte (activations) or 8-byte (tables) loads.
+// replicated per lane of a half-warp so random lookups never conflict. The L1/TEX pipe was the busiest unit
+// in an earlier profile, so every layout below is chosen for conflict-free 16-byte (activations) or 8-byte
+// (tables) loads; the next limit measured is occupancy, set by shared memory per CTA (docs/PERFORMANCE.md).
 
 namespace i8 {
 
