@@ -7,6 +7,7 @@
 # dsparkjax/_lib (built here with `DSPARKJAX_CUDA=ON`, sm_90) skip the 2-minute build on the device. The whole suite takes
 # about 9-10 minutes (a device call's limit is 10): pass section names to run fewer, e.g.
 #   bash scripts/device_suite.sh kernels generate        (the build runs unless plugins are carried)
+# The `profile` section (not run by default) profiles one call of each of two kernels with Nsight Compute.
 set -uo pipefail
 SECTIONS="${*:-tests kernels generate}"
 want() { [[ " $SECTIONS " == *" $1 "* ]]; }
@@ -40,4 +41,15 @@ echo "== generation benchmark (bf16)"
 XLA_FLAGS= python3 scripts/bench_generate.py --config wide --dtype bfloat16 --prompts 64 --max_new_tokens 32 \
   --q 4 --acceptance 0.7 --output "$OUT/generate_bf16.json" > "$OUT/generate_bf16.log" 2>&1
 grep -v '^ ' "$OUT/generate_bf16.log" | tail -8
+fi
+if want profile; then  # not in the default set: about a minute, one Nsight Compute report per call
+echo "== ncu: one IQ2_XXS expert call and one Q8_0 attention call"
+for spec in "IQ2_XXS exp_up24" "Q8_0 attn_a"; do
+  set -- $spec
+  ncu --clock-control none -k regex:qmatmul --launch-skip 1 --launch-count 1 --section SpeedOfLight \
+    --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats \
+    --section MemoryWorkloadAnalysis python3 scripts/profile_kernel.py --format="$1" --shape="$2" \
+    > "$OUT/ncu_$1_$2.txt" 2>&1
+  grep -E "Duration|DRAM Throughput|Achieved Occupancy|Eligible Warps|Dynamic Shared" "$OUT/ncu_$1_$2.txt"
+done
 fi
