@@ -195,6 +195,23 @@ def test_qmatmul_id_more_tokens_than_a_pass(device):
 
 
 @pytest.mark.parametrize("ggml_type", [GGMLType.Q8_0, GGMLType.IQ2_XXS], ids=lambda t: t.name)
+@pytest.mark.parametrize("bad", [np.nan, np.inf], ids=["nan", "inf"])
+def test_qmatmul_non_finite_activation(device, ggml_type, bad):
+    """A NaN or inf activation makes its token's outputs non-finite (never a silent finite value) and leaves
+    the other tokens' outputs exactly as without it."""
+    rng = np.random.default_rng(8)
+    k = 4 * _block_k(ggml_type)
+    w = random_packed(rng, ggml_type, (5,), k)
+    x = rng.standard_normal((2, k)).astype(np.float32)
+    (wd,) = _put(device, w)
+    clean = np.asarray(_qmatmul(jax.device_put(x, device), wd, ggml_type, "ffi"))
+    x[0, 37] = bad
+    got = np.asarray(_qmatmul(jax.device_put(x, device), wd, ggml_type, "ffi"))
+    assert not np.any(np.isfinite(got[0]))
+    np.testing.assert_array_equal(got[1], clean[1])
+
+
+@pytest.mark.parametrize("ggml_type", [GGMLType.Q8_0, GGMLType.IQ2_XXS], ids=lambda t: t.name)
 def test_qmatmul_many_rows(device, ggml_type):
     """Enough rows that the GPU integer path groups 2 or 4 rows per warp (16899 rows: the last group is
     partial), for T = 1, 3 and 8 against numpy, and row t of the 8-token call equal to the 1-token call."""
