@@ -2,9 +2,9 @@
 // mHC pre/post. Handlers only launch kernels on XLA's stream (no allocation, no sync): kCmdBufferCompatible.
 //
 // Q8_0 and IQ2_XXS, the formats of the published DS4 files, run on integer dot products against an int8-limb
-// form of the activations (gpu_i8_matvec.cuh): that path streams weights at memory speed. The other formats,
-// and the rare calls the integer path cannot take (rows not 4-byte aligned, or K so large that one token's
-// activations do not fit in shared memory), use the generic float path below: a CTA of kWarps warps owns kWarps/S rows; each warp serves one row and
+// form of the activations (gpu_i8_matvec.cuh): that path streams weights at memory speed. The other
+// formats, and the rare calls the integer path cannot take (rows not 4-byte aligned, or K so large that one
+// token's activations do not fit in shared memory), use the generic float path below: a CTA of kWarps warps owns kWarps/S rows; each warp serves one row and
 // one of S slices of K (S depends on K only). Per K chunk (1024 weights) a warp stages the row's chunk in
 // shared memory, then each lane decodes 4 groups of 8 weights (decode8 of quant_formats.h) and multiplies
 // them with up to 8 token columns. Each lane accumulates in a fixed order with explicit fp32 intrinsics, the
@@ -69,6 +69,13 @@ __device__ int next_expert_cols(const int32_t* ids, int32_t e, int topk, int P, 
   __syncthreads();
   *start = *shared_next;
   return shared->ncols;
+}
+
+// MoE: whether slot p is the first slot choosing its expert (the CTAs of later slots leave the expert to it).
+__device__ bool first_slot_of_expert(const int32_t* ids, int p) {
+  for (int q = 0; q < p; ++q)
+    if (ids[q] == ids[p]) return false;
+  return true;
 }
 
 // 8 consecutive activations as float (p is 16-byte aligned: K is a multiple of 8).
@@ -206,9 +213,8 @@ __global__ void __launch_bounds__(kWarps * kLanes) qmatmul_id_kernel(const uint8
   __shared__ ColTable s_cols;
   __shared__ int s_next;
   const int p = blockIdx.y;
+  if (!first_slot_of_expert(ids, p)) return;
   const int32_t e = ids[p];
-  for (int q = 0; q < p; ++q)
-    if (ids[q] == e) return;  // an earlier slot's CTA serves this expert
   const int64_t row0 = (int64_t)blockIdx.x * (kWarps / S);
   const bool valid = e >= 0 && e < E;
   const uint8_t* we = w + (valid ? e : 0) * N * row_bytes;

@@ -118,7 +118,8 @@ __device__ __forceinline__ void stage_tokens(const XSource& src, float* scales) 
         limbs4(v[u], e, limbs);
       }
       // limb l, half q / 4, bytes 4·(q % 4)..: array 2l + q/4 of the slot, word q % 4 of sub-block sb
-      uint32_t* out = reinterpret_cast<uint32_t*>(src.dst + (int64_t)slot * 3 * src.K + (q / 4) * (src.K / 2) + sb * 16) + q % 4;
+      uint8_t* sub_at = src.dst + (int64_t)slot * 3 * src.K + (q / 4) * (src.K / 2) + sb * 16;
+      uint32_t* out = reinterpret_cast<uint32_t*>(sub_at) + q % 4;
 #pragma unroll
       for (int l = 0; l < 3; ++l) out[l * (src.K / 4)] = limbs[l];  // + 2l arrays of K/2 bytes
       if (q == 0) scales[i] = sc;
@@ -404,9 +405,8 @@ __global__ void __launch_bounds__(kThreads, 2) qmatmul_id_kernel(Args a, const v
   __shared__ ColTable s_cols;
   __shared__ int s_next;
   const int p = blockIdx.y;
+  if (!first_slot_of_expert(ids, p)) return;
   const int32_t e = ids[p];
-  for (int q = 0; q < p; ++q)
-    if (ids[q] == e) return;  // an earlier slot's CTAs serve this expert
   const Tables tab = init_tables<Fmt>(smem);
   const bool valid = e >= 0 && e < E;
   Args ae = a;

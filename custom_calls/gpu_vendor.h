@@ -2,8 +2,9 @@
 // and with hipcc (HIP_PLATFORM=amd). A "warp" here is always 32 logical lanes (on wave64 AMD GPUs a
 // wavefront holds two of them; the shuffles are width-32).
 //
-// gpu_copy_async(dst_smem, src_global, bytes) copies 4, 8 or 16 bytes from global to shared memory: asynchronously on CUDA (cp.async, sm_80+; visible after gpu_copy_wait<n> left at
-// most n of this thread's committed groups pending, plus a warp barrier), synchronously on HIP.
+// gpu_copy_async(dst_smem, src_global, bytes) copies 4, 8 or 16 bytes from global to shared memory:
+// asynchronously on CUDA (cp.async, sm_80+; visible after gpu_copy_wait<n> left at most n of this thread's
+// committed groups pending, plus a warp barrier), synchronously on HIP.
 #pragma once
 #include <cstdint>
 

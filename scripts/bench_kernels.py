@@ -123,7 +123,7 @@ def main(argv: list[str]) -> None:
     if FLAGS.json_out:
         with open(FLAGS.json_out, "w") as f:
             json.dump({"jax": jax.__version__, "device": jax.devices()[0].device_kind, "copy_gbps": copy_bw / 1e9,
-                           "backend": FLAGS.backend, "calls": FLAGS.calls, "rotate_mib": FLAGS.rotate_mib,
+                       "backend": FLAGS.backend, "calls": FLAGS.calls, "rotate_mib": FLAGS.rotate_mib,
                        "rows": results}, f, indent=1)
 
 
