@@ -61,6 +61,20 @@ def assert_matmul_close(got: np.ndarray, want: np.ndarray, bound: np.ndarray) ->
     assert np.all(err <= 2e-5 * bound + 1e-6), f"max err {err.max()}, bound {bound.max()}"
 
 
+def assert_matches_dense(got: np.ndarray, x: np.ndarray, dense: np.ndarray) -> None:
+    """assert_matmul_close against float64 `x [T, K] @ dense[N, K]ᵀ`."""
+    x64, dense = np.asarray(x, np.float64), np.asarray(dense, np.float64)
+    assert_matmul_close(got, x64 @ dense.T, np.abs(x64) @ np.abs(dense).T)
+
+
+def assert_moe_matches_dense(got: np.ndarray, x: np.ndarray, chosen: np.ndarray) -> None:
+    """assert_matmul_close against float64 `got[t, j] = chosen[t, j] @ x[t]`, chosen `[T, k, N, K]` (each
+    token's selected expert matrices)."""
+    x64, chosen = np.asarray(x, np.float64), np.asarray(chosen, np.float64)
+    want = np.einsum("tk,tjnk->tjn", x64, chosen)
+    assert_matmul_close(got, want, np.einsum("tk,tjnk->tjn", np.abs(x64), np.abs(chosen)))
+
+
 def _put(dev: jax.Device, *arrays: np.ndarray):
     return [jax.device_put(a, dev) for a in arrays]
 
@@ -96,12 +110,10 @@ def test_qmatmul_matches_references(device, ggml_type, n, nblocks, t_rows, bf16,
     xd, wd = _put(device, x, w)
     got = np.asarray(_qmatmul(xd, wd, ggml_type, "ffi"))
     ref = np.asarray(_qmatmul(xd, wd, ggml_type, "reference"))
-    dense = formats.dequantize(w, ggml_type, (n, k)).astype(np.float64)
-    x64 = np.asarray(x, np.float64)
-    bound = np.abs(x64) @ np.abs(dense).T
+    dense = formats.dequantize(w, ggml_type, (n, k))
     assert got.shape == (t_rows, n) and got.dtype == np.float32
-    assert_matmul_close(got, x64 @ dense.T, bound)
-    assert_matmul_close(ref, x64 @ dense.T, bound)
+    assert_matches_dense(got, x, dense)
+    assert_matches_dense(ref, x, dense)
 
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
@@ -139,13 +151,10 @@ def test_qmatmul_id_matches_references(device, ggml_type, n, t_rows, topk, seed)
     xd, wd, idd = _put(device, x, w, ids)
     got = np.asarray(_qmatmul_id(xd, wd, idd, ggml_type, "ffi"))
     ref = np.asarray(_qmatmul_id(xd, wd, idd, ggml_type, "reference"))
-    dense = formats.dequantize(w, ggml_type, (n_experts, n, k)).astype(np.float64)[ids]  # [T, k, N, K]
-    x64 = np.asarray(x, np.float64)
-    want = np.einsum("tk,tjnk->tjn", x64, dense)
-    bound = np.einsum("tk,tjnk->tjn", np.abs(x64), np.abs(dense))
+    chosen = formats.dequantize(w, ggml_type, (n_experts, n, k))[ids]  # [T, k, N, K]
     assert got.shape == (t_rows, topk, n)
-    assert_matmul_close(got, want, bound)
-    assert_matmul_close(ref, want, bound)
+    assert_moe_matches_dense(got, x, chosen)
+    assert_moe_matches_dense(ref, x, chosen)
 
 
 def test_qmatmul_id_invalid_ids_give_zero_rows(device):
@@ -187,10 +196,9 @@ def test_qmatmul_id_more_tokens_than_a_pass(device):
     ids = np.ones((11, 2), np.int32)
     xd, wd, idd = _put(device, x, w, ids)
     got = np.asarray(_qmatmul_id(xd, wd, idd, t, "ffi"))
-    dense = formats.dequantize(w, t, (3, 5, k)).astype(np.float64)[1]
-    x64 = np.asarray(x, np.float64)
+    dense = formats.dequantize(w, t, (3, 5, k))[1]
     for j in range(2):
-        assert_matmul_close(got[:, j], x64 @ dense.T, np.abs(x64) @ np.abs(dense).T)
+        assert_matches_dense(got[:, j], x, dense)
     np.testing.assert_array_equal(got[:, 0], got[:, 1])
 
 
@@ -219,13 +227,12 @@ def test_qmatmul_many_rows(device, ggml_type):
     n, k = 16899, 1024
     w = random_packed(rng, ggml_type, (n,), k)
     x = rng.standard_normal((8, k)).astype(np.float32)
-    dense = formats.dequantize(w, ggml_type, (n, k)).astype(np.float64)
+    dense = formats.dequantize(w, ggml_type, (n, k))
     (wd,) = _put(device, w)
     full = None
     for t_rows in (8, 3, 1):
         got = np.asarray(_qmatmul(jax.device_put(x[:t_rows], device), wd, ggml_type, "ffi"))
-        x64 = np.asarray(x[:t_rows], np.float64)
-        assert_matmul_close(got, x64 @ dense.T, np.abs(x64) @ np.abs(dense).T)
+        assert_matches_dense(got, x[:t_rows], dense)
         full = got if full is None else full
         np.testing.assert_array_equal(got, full[:t_rows])
 
@@ -239,10 +246,7 @@ def test_qmatmul_id_many_rows(device):
     x = rng.standard_normal((4, k)).astype(np.float32)
     ids = np.array([[0, 1], [2, 3], [1, 2], [3, 0]], np.int32)
     got = np.asarray(_qmatmul_id(*_put(device, x, w, ids), t, "ffi"))
-    dense = formats.dequantize(w, t, (n_experts, n, k)).astype(np.float64)[ids]
-    x64 = np.asarray(x, np.float64)
-    want = np.einsum("tk,tjnk->tjn", x64, dense)
-    assert_matmul_close(got, want, np.einsum("tk,tjnk->tjn", np.abs(x64), np.abs(dense)))
+    assert_moe_matches_dense(got, x, formats.dequantize(w, t, (n_experts, n, k))[ids])
     one = np.asarray(_qmatmul_id(*_put(device, x[2:3], w, ids[2:3]), t, "ffi"))
     np.testing.assert_array_equal(one[0], got[2])
 
@@ -257,9 +261,7 @@ def test_qmatmul_long_rows(device, ggml_type):
     x = rng.standard_normal((3, k)).astype(np.float32)
     xd, wd = _put(device, x, w)
     got = np.asarray(_qmatmul(xd, wd, ggml_type, "ffi"))
-    dense = formats.dequantize(w, ggml_type, (3, k)).astype(np.float64)
-    x64 = np.asarray(x, np.float64)
-    assert_matmul_close(got, x64 @ dense.T, np.abs(x64) @ np.abs(dense).T)
+    assert_matches_dense(got, x, formats.dequantize(w, ggml_type, (3, k)))
     np.testing.assert_array_equal(np.asarray(_qmatmul(xd[1:2], wd, ggml_type, "ffi")), got[1:2])
 
 
