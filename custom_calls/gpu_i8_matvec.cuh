@@ -439,6 +439,7 @@ int device_attribute() {
 }
 inline int sm_count() { return device_attribute<gpuDevAttrMultiProcessorCount>(); }
 inline int smem_optin() { return device_attribute<gpuDevAttrMaxSharedMemoryPerBlockOptin>(); }
+inline int smem_per_sm() { return device_attribute<gpuDevAttrMaxSharedMemoryPerMultiprocessor>(); }
 
 // Resident CTAs of a kernel with `smem` bytes of dynamic shared memory on the current device. The kernel's
 // shared-memory limit is raised once, and the occupancy is computed once per distinct `smem` (host-side calls
@@ -499,6 +500,16 @@ inline int token_slots(int64_t K, int64_t wanted, int fixed_smem) {
   return (int)std::max<int64_t>(0, std::min<int64_t>({kMaxCols, wanted, room / x_token_bytes(K)}));
 }
 
+// Token slots that still let two CTAs share an SM (each SM reserves 1 KB per CTA; 1 KB of static shared memory),
+// or token_slots() when not even one fits that way. For the MoE kernel: its passes hold the tokens of one
+// expert, one in a decode step, so eight reserved slots (100 KB at K = 4096) would only halve the occupancy
+// (docs/PERFORMANCE.md, run 4: one CTA of 8 warps per SM at 195 KB).
+inline int token_slots_two_per_sm(int64_t K, int64_t wanted, int fixed_smem) {
+  const int64_t room = smem_per_sm() / 2 - 2 * 1024 - fixed_smem;
+  const int64_t two = std::min<int64_t>({kMaxCols, wanted, room / x_token_bytes(K)});
+  return two >= 1 ? (int)two : token_slots(K, wanted, fixed_smem);
+}
+
 // Largest R per format: a Q8_0 chunk is 2 KB per row, so four rows' copy rings would crowd out the activations.
 template <class Fmt>
 constexpr int kMaxRows = Sub<Fmt>::kChunkBytes > 1024 ? 2 : 4;
@@ -547,7 +558,7 @@ bool launch_qmatmul_id(gpuStream_t stream, const QDims& d, const uint8_t* w, con
   // At most two rows per group: the MoE kernel holds every column count's loop, and four rows would spill.
   visit_rows<2>(pick_rows(d.N * std::min(P, kMaxCols)), [&](auto rc) {
     constexpr int kR = decltype(rc)::value;
-    const int slots = token_slots(d.K, P, kFixedSmemBytes<Fmt, kR>);
+    const int slots = token_slots_two_per_sm(d.K, P, kFixedSmemBytes<Fmt, kR>);
     if (slots == 0) return;
     // Slots beyond the first of each expert exit at once; with distinct experts per token about min(P, 8)
     // slots' CTAs run at a time.
