@@ -195,26 +195,38 @@ struct Sub<FmtIQ2_XXS> {  // half d @0; 8 x (u8 grid index[4], u32 signs|scale) 
   }
 };
 
+// Sign masks of the 128 stored sign patterns: byte j is 0xFF where bit j of iq2_sign_byte(i) is set.
+struct SignMasks {
+  uint64_t m[128];
+};
+constexpr SignMasks make_sign_masks() {
+  SignMasks s{};
+  for (uint32_t i = 0; i < 128; ++i) {
+    const uint32_t bits = iq2_sign_byte(i);
+    for (int j = 0; j < 8; ++j)
+      if ((bits >> j) & 1u) s.m[i] |= uint64_t{0xFF} << (8 * j);
+  }
+  return s;
+}
+__device__ const SignMasks kIq2SignMasksDevice = make_sign_masks();
+
+// Fills the replicated tables from the device's constant arrays: every load first (one global round trip),
+// then the stores.
 template <class Fmt>
 __device__ Tables init_tables(uint8_t* smem) {
   if constexpr (Sub<Fmt>::kTableBytes > 0) {
+    constexpr int kGridPer = 256 * 16 / kThreads, kSignPer = 128 * 16 / kThreads;
+    uint64_t g[kGridPer], m[kSignPer];
+#pragma unroll
+    for (int j = 0; j < kGridPer; ++j) g[j] = kIq2xxsGridDevice[(threadIdx.x + j * kThreads) >> 4];
+#pragma unroll
+    for (int j = 0; j < kSignPer; ++j) m[j] = kIq2SignMasksDevice.m[(threadIdx.x + j * kThreads) >> 4];
     uint2* grid = reinterpret_cast<uint2*>(smem);
     uint2* sign = reinterpret_cast<uint2*>(smem + kGridBytes);
-    constexpr int kPerThread = 256 * 16 / kThreads;  // all loads first: one global round trip, not kPerThread
-    uint64_t g[kPerThread];
 #pragma unroll
-    for (int j = 0; j < kPerThread; ++j) g[j] = kIq2xxsGridDevice[(threadIdx.x + j * kThreads) >> 4];
+    for (int j = 0; j < kGridPer; ++j) grid[threadIdx.x + j * kThreads] = make_uint2((uint32_t)g[j], (uint32_t)(g[j] >> 32));
 #pragma unroll
-    for (int j = 0; j < kPerThread; ++j) grid[threadIdx.x + j * kThreads] = make_uint2((uint32_t)g[j], (uint32_t)(g[j] >> 32));
-    for (int i = threadIdx.x; i < 128 * 16; i += kThreads) {
-      const uint32_t s = iq2_sign_byte((uint32_t)(i >> 4));
-      uint32_t m[2];
-      for (int h = 0; h < 2; ++h) {
-        m[h] = 0;
-        for (int j = 0; j < 4; ++j) m[h] |= ((s >> (4 * h + j)) & 1u) ? 0xFFu << (8 * j) : 0u;
-      }
-      sign[i] = make_uint2(m[0], m[1]);
-    }
+    for (int j = 0; j < kSignPer; ++j) sign[threadIdx.x + j * kThreads] = make_uint2((uint32_t)m[j], (uint32_t)(m[j] >> 32));
     __syncthreads();
   }
   return Tables{smem + (threadIdx.x & 15) * 8};
@@ -252,15 +264,15 @@ __device__ __forceinline__ float small_int_to_float(int i) {
 
 // Sub-block `sub` of a staged chunk (global sub-block index sb) for R rows and the first ncols of NC token
 // slots: exact int32 limb dot products (their summation order is free: integer adds are exact), then one fixed
-// fp32 sequence into acc.
+// fp32 sequence into acc. A group's rows past N hold copies of its last row (see warp_rows), so every row is
+// computed without a branch and only the stores skip them.
 template <class Fmt, int NC, int R>
-__device__ __forceinline__ void sub_block(const XView& xv, int ncols, const uint8_t* st, int sub, int sb, int nrows,
+__device__ __forceinline__ void sub_block(const XView& xv, int ncols, const uint8_t* st, int sub, int sb,
                                           const Tables& tab, float (&acc)[R][NC]) {
   uint32_t q[R][8];
   float dw[R];
 #pragma unroll
-  for (int r = 0; r < R; ++r)
-    if (r < nrows) dw[r] = Sub<Fmt>::decode(st + r * kRowStride<Fmt>, sub, q[r], tab);
+  for (int r = 0; r < R; ++r) dw[r] = Sub<Fmt>::decode(st + r * kRowStride<Fmt>, sub, q[r], tab);
 #pragma unroll
   for (int t = 0; t < NC; ++t) {
     if (t < ncols) {
@@ -275,23 +287,33 @@ __device__ __forceinline__ void sub_block(const XView& xv, int ncols, const uint
       const float xs = xv.scales[t * xv.nsub + sb];
 #pragma unroll
       for (int r = 0; r < R; ++r) {
-        if (r < nrows) {
-          float I[3];
+        float I[3];
 #pragma unroll
-          for (int l = 0; l < 3; ++l) {
-            int s0 = 0, s1 = 0;
+        for (int l = 0; l < 3; ++l) {
+          int s0 = 0, s1 = 0;
 #pragma unroll
-            for (int j = 0; j < 8; j += 2) {
-              s0 = gpu_dp4a((int)q[r][j], xw[l][j], s0);
-              s1 = gpu_dp4a((int)q[r][j + 1], xw[l][j + 1], s1);
-            }
-            I[l] = small_int_to_float(s0 + s1);  // |I| <= 32 * 128 * 128 < 2^22
+          for (int j = 0; j < 8; j += 2) {
+            s0 = gpu_dp4a((int)q[r][j], xw[l][j], s0);
+            s1 = gpu_dp4a((int)q[r][j + 1], xw[l][j + 1], s1);
           }
-          const float v = __fmaf_rn(I[0], 65536.0f, __fmaf_rn(I[1], 256.0f, I[2]));
-          acc[r][t] = __fmaf_rn(__fmul_rn(dw[r], xs), v, acc[r][t]);
+          I[l] = small_int_to_float(s0 + s1);  // |I| <= 32 * 128 * 128 < 2^22
         }
+        const float v = __fmaf_rn(I[0], 65536.0f, __fmaf_rn(I[1], 256.0f, I[2]));
+        acc[r][t] = __fmaf_rn(__fmul_rn(dw[r], xs), v, acc[r][t]);
       }
     }
+  }
+}
+
+// Starts this lane's share of the asynchronous copy of R rows' chunks in V-byte pieces: `src` and `dst` point
+// at the lane's first piece (row r at src + rows[r] and dst + r · kRowStride), `len` is the chunk's length
+// from there; the lane copies every 32nd piece.
+template <int V, class Fmt, int R>
+__device__ __forceinline__ void copy_rows(uint8_t* dst, const uint8_t* src, const int64_t (&rows)[R], int len) {
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+#pragma unroll 1
+    for (int o = 0; o < len; o += kLanes * V) gpu_copy_async(dst + r * kRowStride<Fmt> + o, src + rows[r] + o, V);
   }
 }
 
@@ -305,24 +327,25 @@ __device__ void warp_rows(const Args& a, const XSource& xs, const int* y_rows, i
   const int lane = threadIdx.x % kLanes;
   const int64_t ngroups = (a.N + R - 1) / R;
   const int nsub = (int)(a.K / 32), nchunks = (nsub + kSubPerChunk - 1) / kSubPerChunk;
-  // Copy pieces per row of a whole chunk and of the last one (the copy width is a power of two).
-  const int v = a.copy_bytes, vshift = v == 16 ? 4 : v == 8 ? 3 : 2;
-  const int pieces_full = CB >> vshift, pieces_last = (int)(a.row_bytes - (int64_t)(nchunks - 1) * CB) >> vshift;
-  auto nrows_of = [&](int64_t group) { return (int)(a.N - group * R < R ? a.N - group * R : R); };
+  // Bytes per row of a whole chunk and of the last one, from this lane's first copy piece (lane · v) on.
+  const int v = a.copy_bytes;
+  const int len_full = CB - lane * v, len_last = (int)(a.row_bytes - (int64_t)(nchunks - 1) * CB) - lane * v;
   Cursor in{group0, 0}, at{group0, 0};  // next item to copy, item to compute
   int slot_in = 0, slot_at = 0;
   // Starts copying item `in` into stage slot_in, then commits the copy group (also when there is nothing to
-  // copy, so group counting stays uniform).
+  // copy, so group counting stays uniform). A group's rows past N copy its last row again.
   auto issue = [&]() {
     if (in.group < ngroups) {
-      const uint8_t* src = a.w + in.group * R * a.row_bytes + in.chunk * CB + lane * v;
-      uint8_t* dst = stages + slot_in * R * RS + lane * v;
-      const int pieces = in.chunk == nchunks - 1 ? pieces_last : pieces_full, nrows = nrows_of(in.group);
+      const int64_t row0 = in.group * R;
+      int64_t rows[R];
 #pragma unroll
-      for (int r = 0; r < R; ++r)
-        if (r < nrows)
-          for (int p = lane, o = 0; p < pieces; p += kLanes, o += kLanes * v)
-            gpu_copy_async(dst + r * RS + o, src + r * a.row_bytes + o, v);
+      for (int r = 0; r < R; ++r) rows[r] = (row0 + r < a.N ? row0 + r : a.N - 1) * a.row_bytes;
+      const uint8_t* src = a.w + in.chunk * CB + lane * v;
+      uint8_t* dst = stages + slot_in * R * RS + lane * v;
+      const int len = in.chunk == nchunks - 1 ? len_last : len_full;
+      if (v == 16) copy_rows<16, Fmt, R>(dst, src, rows, len);
+      else if (v == 8) copy_rows<8, Fmt, R>(dst, src, rows, len);
+      else copy_rows<4, Fmt, R>(dst, src, rows, len);
       in.next(stride, nchunks);
     }
     gpu_copy_commit();
@@ -335,7 +358,6 @@ __device__ void warp_rows(const Args& a, const XSource& xs, const int* y_rows, i
     gpu_copy_wait<D - 2>();
     gpu_syncwarp();
     issue();  // overwrites the stage computed in the previous iteration, which every lane has left
-    const int nrows = nrows_of(at.group);
     if (at.chunk == 0) {
 #pragma unroll
       for (int r = 0; r < R; ++r)
@@ -347,7 +369,7 @@ __device__ void warp_rows(const Args& a, const XSource& xs, const int* y_rows, i
     for (int h = 0; h < kSubPerLane; ++h) {
       const int sub = h * kLanes + lane;
       const int sb = at.chunk * kSubPerChunk + sub;
-      if (sb < nsub) sub_block<Fmt, NC, R>(xv, ncols, st, sub, sb, nrows, tab, acc);
+      if (sb < nsub) sub_block<Fmt, NC, R>(xv, ncols, st, sub, sb, tab, acc);
     }
     if (at.chunk == nchunks - 1) {
       const int64_t row0 = at.group * R;
@@ -357,7 +379,7 @@ __device__ void warp_rows(const Args& a, const XSource& xs, const int* y_rows, i
         for (int t = 0; t < NC; ++t) {
           float s = acc[r][t];
           for (int m = kLanes / 2; m > 0; m >>= 1) s = __fadd_rn(s, gpu_shfl_xor(s, m));
-          if (lane == 0 && r < nrows && t < ncols) a.y[(int64_t)y_rows[t] * a.N + row0 + r] = s;
+          if (lane == 0 && row0 + r < a.N && t < ncols) a.y[(int64_t)y_rows[t] * a.N + row0 + r] = s;
         }
     }
   }
@@ -396,8 +418,9 @@ __global__ void __launch_bounds__(kThreads, 2) qmatmul_kernel(Args a, const void
 }
 
 // MoE: grid (persistent CTAs, slot p). The CTAs of slot p serve expert ids[p] only if p is its first slot,
-// then loop over all slots choosing it, `slots` at a time: each selected expert is read once per call.
-template <class Fmt, int R>
+// then loop over all slots choosing it, `slots` (<= NC) at a time: each selected expert is read once per call
+// when no more than `slots` tokens chose it.
+template <class Fmt, int NC, int R>
 __global__ void __launch_bounds__(kThreads, 2) qmatmul_id_kernel(Args a, const void* __restrict__ x, bool bf16,
                                                                  const int32_t* __restrict__ ids, int64_t E, int topk,
                                                                  int P, int slots) {
@@ -419,7 +442,7 @@ __global__ void __launch_bounds__(kThreads, 2) qmatmul_id_kernel(Args a, const v
         a.y[(int64_t)s_cols.y_row[i / a.N] * a.N + i % a.N] = 0.0f;
     } else {
       const XSource xs{x, bf16, a.K, s_cols.x_row, ncols, slots, smem + kFixedSmemBytes<Fmt, R>};
-      visit_cols(ncols, [&](auto nc) { cta_rows<Fmt, decltype(nc)::value, R>(ae, xs, s_cols.y_row, ncols, smem, tab); });
+      cta_rows<Fmt, NC, R>(ae, xs, s_cols.y_row, ncols, smem, tab);
     }
     __syncthreads();  // every warp is done with this pass's activations and columns before the next pass
   }
@@ -555,15 +578,20 @@ bool launch_qmatmul_id(gpuStream_t stream, const QDims& d, const uint8_t* w, con
   const int P = (int)(d.T * d.k);
   bool launched = false;
   if (a.copy_bytes == 0) return launched;
-  // At most two rows per group: the MoE kernel holds every column count's loop, and four rows would spill.
+  // At most two rows per group: with four, the copy rings and one token's activations leave no room for a
+  // second CTA per SM (docs/kernels.md has the budget). Token slots: as many as tokens
+  // (an expert is chosen at most once per token unless ids repeat), as far as two CTAs still share an SM.
   visit_rows<2>(pick_rows(d.N * std::min(P, kMaxCols)), [&](auto rc) {
-    constexpr int kR = decltype(rc)::value;
-    const int slots = token_slots_two_per_sm(d.K, P, kFixedSmemBytes<Fmt, kR>);
+    const int slots = token_slots_two_per_sm(d.K, d.T, kFixedSmemBytes<Fmt, decltype(rc)::value>);
     if (slots == 0) return;
     // Slots beyond the first of each expert exit at once; with distinct experts per token about min(P, 8)
     // slots' CTAs run at a time.
-    launch_persistent<qmatmul_id_kernel<Fmt, kR>, kR>(stream, a, kFixedSmemBytes<Fmt, kR>, slots, (unsigned)P,
-                                                      std::min(P, kMaxCols), x, bf16, ids, d.E, (int)d.k, P, slots);
+    visit_cols(slots, [&](auto nc) {
+      constexpr int kNC = decltype(nc)::value, kR = kRowsWith<kNC, decltype(rc)::value>;
+      launch_persistent<qmatmul_id_kernel<Fmt, kNC, kR>, kR>(stream, a, kFixedSmemBytes<Fmt, kR>, slots, (unsigned)P,
+                                                             std::min(P, kMaxCols), x, bf16, ids, d.E, (int)d.k, P,
+                                                             slots);
+    });
     launched = true;
   });
   return launched;

@@ -75,7 +75,7 @@ DSPARK_HD uint64_t iq2xxs_grid(int i) {
 }
 
 // ksigns_iq2xs[i] = i | parity(i) << 7: 7 stored sign bits, the 8th makes the count of negatives even.
-DSPARK_HD uint32_t iq2_sign_byte(uint32_t i) {
+DSPARK_HD constexpr uint32_t iq2_sign_byte(uint32_t i) {
   uint32_t p = i ^ (i >> 4);
   p ^= p >> 2;
   p ^= p >> 1;
