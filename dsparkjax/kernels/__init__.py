@@ -15,6 +15,7 @@ All ops work inside `jax.jit`; `ggml_type`, the HC hyper-parameters and all shap
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from dsparkjax.errors import DsparkError
 from dsparkjax.kernels import ffi, reference
@@ -29,6 +30,7 @@ __all__ = [
     "hc_post",
     "hc_pre",
     "qmatmul",
+    "qmatmul_grouped",
     "qmatmul_id",
 ]
 
@@ -81,6 +83,24 @@ def qmatmul_id(
     check_row_bytes(ggml_type, x.shape[1], w_packed.shape[2])
     impl = ffi if _use_ffi(backend) else reference
     return impl.qmatmul_id(x, w_packed, ids.astype("int32"), int(ggml_type))
+
+
+def qmatmul_grouped(
+    x: jax.Array, w_packed: jax.Array, ggml_type: int, *, backend: str | None = None
+) -> jax.Array:
+    """Grouped matmul in one call: `y[t, g] = W[g] · x[t, g]`.
+
+    x float32|bfloat16 `[T, G, K]`, w_packed uint8 `[G, N, row_bytes]` -> float32 `[T, G, N]`. It is the MoE
+    op with each (token, group) row choosing expert g, so the G matrices are read once per call in one
+    launch instead of G launches of a G-times smaller matmul (a decode step's grouped output projection).
+    Each output is computed as by `qmatmul_id`, so it stays batch invariant.
+    """
+    if x.ndim != 3 or w_packed.ndim != 3 or x.shape[1] != w_packed.shape[0]:
+        raise DsparkError(f"qmatmul_grouped: x {x.shape} must be [T, G, K] and w_packed {w_packed.shape} [G, N, row_bytes]")
+    t, g, k = x.shape
+    ids = jnp.tile(jnp.arange(g, dtype=jnp.int32), t).reshape(t * g, 1)
+    y = qmatmul_id(x.reshape(t * g, k), w_packed, ids, ggml_type, backend=backend)
+    return y.reshape(t, g, -1)
 
 
 def hc_pre(

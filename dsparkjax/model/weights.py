@@ -30,11 +30,6 @@ class PackedWeight:
     def shape(self) -> tuple[int, ...]:
         return (*self.data.shape[:-1], self.in_features)
 
-    def reshape_rows(self, groups: int) -> list[PackedWeight]:
-        """Split a 2-D weight's output rows into `groups` equal packed weights (a grouped projection)."""
-        rows = self.data.shape[0] // groups
-        return [self.replace(data=self.data[j * rows : (j + 1) * rows]) for j in range(groups)]
-
 
 Weight = Union[jax.Array, PackedWeight]
 
@@ -51,6 +46,16 @@ def _packed_linear(x: jax.Array, w: PackedWeight) -> jax.Array:
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
+def _packed_grouped_linear(x: jax.Array, w: PackedWeight, groups: int) -> jax.Array:
+    """x `[..., g, in/g]` against the g row blocks of w, in one kernel call."""
+    from dsparkjax import kernels
+
+    flat = x.reshape(-1, groups, x.shape[-1]).astype(w.dtype)
+    stack = w.data.reshape(groups, -1, w.data.shape[-1])
+    y = kernels.qmatmul_grouped(flat, stack, w.ggml_type, backend=w.backend)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
 def linear(x: jax.Array, w: Weight, *, groups: int | None = None) -> jax.Array:
     """`x·wᵀ` with float32 accumulation.
 
@@ -63,8 +68,7 @@ def linear(x: jax.Array, w: Weight, *, groups: int | None = None) -> jax.Array:
     if isinstance(w, PackedWeight):
         if groups is None:
             return _packed_linear(x, w)
-        return jnp.stack([_packed_linear(x[..., j, :], part) for j, part in enumerate(w.reshape_rows(groups))],
-                         axis=-2)
+        return _packed_grouped_linear(x, w, groups)
     x = x.astype(w.dtype)
     if groups is None:
         return jnp.einsum("...k,nk->...n", x, w, precision=_precision(w), preferred_element_type=jnp.float32)
