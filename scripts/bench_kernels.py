@@ -4,10 +4,12 @@ For each format, shape and T = 1..--t_max: device time per call, achieved GB/s o
 distinct expert counted once), that as a fraction of the device copy bandwidth measured in the same run
 (best of read + write of a --copy_mib buffer), and the ratio time(T) / time(1).
 
-What a decode step sees is measured, not a best case: the time per call is the slope between a program of
---calls and one of 2·--calls independent calls (so the program's fixed dispatch cost drops out and each
-call's launch gap stays in), and the calls rotate over distinct weight copies (dense shapes) or distinct
-expert ids (MoE shapes) so the weights each call reads are not in the 50 MB L2 from an earlier call.
+The time per call is the slope between a program of --calls and one of 2·--calls calls (so the program's
+fixed dispatch cost drops out and each call's launch gap stays in), and the calls rotate over distinct
+weight copies (dense shapes) or distinct expert ids (MoE shapes) so the weights each call reads are not in
+the 50 MB L2 from an earlier call. The calls are independent, so the GPU may overlap neighbouring small
+calls (XLA runs them as one command buffer): the slope is a stream's cost per call, not one kernel's
+duration; `profile_kernel.py` tabulates each kernel alone under Nsight Compute.
 Prints a table; --json_out writes the rows.
 
   python scripts/bench_kernels.py --formats=Q8_0,IQ2_XXS --t_max=5 --json_out=/tmp/bench.json
@@ -36,9 +38,9 @@ flags.DEFINE_list(
 )
 flags.DEFINE_list("shapes", "attn_a,wide_b,grouped_o,dense_8k,exp_up6,exp_up24,exp_down6,exp_down24", "shape names")
 flags.DEFINE_integer("t_max", 5, "largest T (rows per call)")
-flags.DEFINE_integer("calls", 16, "calls of the shorter timed program (the longer one makes twice as many)")
+flags.DEFINE_integer("calls", 64, "calls of the shorter timed program (the longer one makes twice as many)")
 flags.DEFINE_integer("rotate_mib", 256, "dense shapes rotate over weight copies totalling at least this much")
-flags.DEFINE_integer("reps", 10, "timed repetitions of each program (the fastest is used)")
+flags.DEFINE_integer("reps", 20, "timed repetitions of each program (the fastest is used)")
 flags.DEFINE_integer("copy_mib", 1024, "buffer size of the copy-bandwidth probe")
 flags.DEFINE_enum("backend", "ffi", ["ffi", "reference"], "kernel backend")
 flags.DEFINE_string("json_out", None, "write the result rows to this JSON file")
@@ -48,7 +50,7 @@ N_EXPERTS = 256
 SHAPES = {
     "attn_a": (4096, 1024, 1, 0),  # 4096 -> 1024
     "wide_b": (1024, 32768, 1, 0),  # 1024 -> 32768
-    "grouped_o": (4096, 1024, 8, 0),  # 32768 in 8 groups of 4096 -> 1024 each
+    "grouped_o": (4096, 1024, 8, 0),  # 32768 in 8 groups of 4096 -> 1024 each, one qmatmul_grouped call
     "dense_8k": (8192, 4096, 1, 0),  # 8192 -> 4096
     "exp_up6": (4096, 2048, 1, 6),  # routed expert gate/up, 6 of 256 per token
     "exp_up24": (4096, 2048, 1, 24),
@@ -81,15 +83,16 @@ def bench_shape(t: GGMLType, name: str, t_max: int) -> list[dict]:
         def prog(ws: list[jax.Array], xs: list[jax.Array], ids: list[jax.Array]) -> list[jax.Array]:
             if experts:
                 return [kernels.qmatmul_id(xs[c], ws[0], ids[c], t, backend=backend) for c in range(m)]
-            return [kernels.qmatmul(xs[c][g], ws[c % len(ws)][g], t, backend=backend)
-                    for c in range(m) for g in range(groups)]
+            if groups > 1:  # as the model runs the grouped output projection: one call for all groups
+                return [kernels.qmatmul_grouped(xs[c], ws[c % len(ws)], t, backend=backend) for c in range(m)]
+            return [kernels.qmatmul(xs[c][:, 0], ws[c % len(ws)][0], t, backend=backend) for c in range(m)]
         return prog
 
     rows, base = [], None
     for t_rows in range(1, t_max + 1):
         data_key = jax.random.fold_in(key, t_rows)
         xs = [jax.random.normal(jax.random.fold_in(data_key, c), (t_rows, k_dim) if experts else
-                                (groups, t_rows, k_dim), jnp.float32) for c in range(2 * calls)]
+                                (t_rows, groups, k_dim), jnp.float32) for c in range(2 * calls)]
         ids = [distinct_expert_ids(jax.random.fold_in(data_key, 10_000 + c), t_rows, topk)
                for c in range(2 * calls)] if experts else []
         id_arrays = [jnp.asarray(i) for i in ids]

@@ -7,7 +7,8 @@
 # dsparkjax/_lib (built here with `DSPARKJAX_CUDA=ON`, sm_90) skip the 2-minute build on the device. The whole suite takes
 # about 9-10 minutes (a device call's limit is 10): pass section names to run fewer, e.g.
 #   bash scripts/device_suite.sh kernels generate        (the build runs unless plugins are carried)
-# The `profile` section (not run by default) profiles one call of each of two kernels with Nsight Compute.
+# Not run by default: `durations` (every kernel benchmark call's kernel time alone, under Nsight Compute) and
+# `profile` (one call of each of two kernels in depth).
 set -uo pipefail
 SECTIONS="${*:-tests kernels generate}"
 want() { [[ " $SECTIONS " == *" $1 "* ]]; }
@@ -33,7 +34,7 @@ python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_packed
 fi
 if want kernels; then
 echo "== kernel benchmark"
-python3 scripts/bench_kernels.py --formats=Q8_0,IQ2_XXS --t_max=5 --calls=16 --reps=10 \
+python3 scripts/bench_kernels.py --formats=Q8_0,IQ2_XXS --t_max=5 --calls=64 --reps=20 \
   --json_out="$OUT/kernels.json" > "$OUT/kernels.log" 2>&1; tail -14 "$OUT/kernels.log"
 fi
 if want generate; then
@@ -42,13 +43,23 @@ XLA_FLAGS= python3 scripts/bench_generate.py --config wide --dtype bfloat16 --pr
   --q 4 --acceptance 0.7 --output "$OUT/generate_bf16.json" > "$OUT/generate_bf16.log" 2>&1
 grep -v '^ ' "$OUT/generate_bf16.log" | tail -8
 fi
+if want durations; then  # about two minutes: each call's kernel alone, caches flushed (no overlap, no launch gap)
+echo "== kernel durations (ncu, every shape, T = 1 and 4)"
+copy=$(python3 -c 'from dsparkjax.timing import copy_bandwidth; print(f"{copy_bandwidth() / 1e9:.0f}")')
+echo "device copy bandwidth (read + write of 1024 MiB, best of 10): $copy GB/s" | tee "$OUT/durations.txt"
+ncu --clock-control none -k regex:qmatmul --metrics gpu__time_duration.sum --csv --log-file "$OUT/durations.csv" \
+  python3 scripts/profile_kernel.py --formats=Q8_0,IQ2_XXS --t_rows=1,4 --configs_out="$OUT/configs.json" \
+  > "$OUT/durations.log" 2>&1
+python3 scripts/profile_kernel.py --table_from="$OUT/durations.csv" --configs_in="$OUT/configs.json" \
+  --copy_gbps="$copy" | tee -a "$OUT/durations.txt"
+fi
 if want profile; then  # not in the default set: about a minute, one Nsight Compute report per call
 echo "== ncu: one IQ2_XXS expert call and one Q8_0 attention call"
 for spec in "IQ2_XXS exp_up24" "Q8_0 attn_a"; do
   set -- $spec
   ncu --clock-control none -k regex:qmatmul --launch-skip 1 --launch-count 1 --section SpeedOfLight \
     --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats \
-    --section MemoryWorkloadAnalysis python3 scripts/profile_kernel.py --format="$1" --shape="$2" \
+    --section MemoryWorkloadAnalysis python3 scripts/profile_kernel.py --formats="$1" --shapes="$2" \
     > "$OUT/ncu_$1_$2.txt" 2>&1
   grep -E "Duration|DRAM Throughput|Achieved Occupancy|Eligible Warps|Dynamic Shared" "$OUT/ncu_$1_$2.txt"
 done

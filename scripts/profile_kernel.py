@@ -1,18 +1,30 @@
-"""Run one packed-matmul call at a DS4-Flash decode shape, for a profiler to look at.
+"""Run packed-matmul calls at DS4-Flash decode shapes for a profiler, and tabulate their kernel durations.
 
-The call runs twice, once to compile and warm up and once to be profiled, and nothing else runs on the
-device (no copy probe, no weight rotation), so Nsight Compute can be pointed at the second launch:
+Each (format, shape, T) call runs twice, once to compile and warm up and once to be profiled, and nothing
+else that launches a `qmatmul` kernel runs, so Nsight Compute can be pointed at the second launches. One call
+in depth:
 
   ncu --clock-control none -k regex:qmatmul --launch-skip 1 --launch-count 1 --set full \\
-      python3 scripts/profile_kernel.py --format=IQ2_XXS --shape=exp_up24
+      python3 scripts/profile_kernel.py --formats=IQ2_XXS --shapes=exp_up24
 
-Shapes are those of scripts/bench_kernels.py.
+Kernel durations of many calls (ncu flushes the caches before each profiled launch, so every call reads its
+weights from DRAM, and each launch runs alone: no overlap with neighbouring calls, no launch gap):
+
+  ncu --clock-control none -k regex:qmatmul --metrics gpu__time_duration.sum --csv --log-file /tmp/d.csv \\
+      python3 scripts/profile_kernel.py --formats=Q8_0,IQ2_XXS --t_rows=1,4 --configs_out=/tmp/c.json
+  python3 scripts/profile_kernel.py --table_from=/tmp/d.csv --configs_in=/tmp/c.json --copy_gbps=3300
+
+--formats and --shapes are those of scripts/bench_kernels.py (with its defaults: every format and shape).
 """
 
 from __future__ import annotations
 
+import csv
+import json
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from absl import app, flags
 
 from bench_kernels import N_EXPERTS, SHAPES, distinct_expert_ids  # scripts/ is on sys.path
@@ -21,29 +33,76 @@ from dsparkjax.formats import GGMLType
 from dsparkjax.kernels import synthetic
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("format", "IQ2_XXS", "GGMLType name")
-flags.DEFINE_enum("shape", "exp_up24", list(SHAPES), "shape name (bench_kernels.py)")
-flags.DEFINE_integer("t_rows", 1, "tokens per call (T)")
+# --formats and --shapes are bench_kernels.py's flags.
+flags.DEFINE_list("t_rows", ["1"], "tokens per call (T), one call per value")
+flags.DEFINE_string("configs_out", None, "write the calls made, in launch order, to this JSON file")
+flags.DEFINE_string("table_from", None, "instead of running: an ncu --csv log of gpu__time_duration.sum to tabulate")
+flags.DEFINE_string("configs_in", None, "with --table_from: the --configs_out file of the profiled run")
+flags.DEFINE_float("copy_gbps", None, "with --table_from: device copy bandwidth (GB/s) for the % column")
+
+
+def run_call(ggml_type: GGMLType, shape: str, t_rows: int) -> int:
+    """Runs one call at `shape` twice; returns the weight bytes it reads (each distinct expert once)."""
+    k_dim, n, groups, topk = SHAPES[shape]
+    key = jax.random.PRNGKey(0)
+    if topk:
+        x = jax.random.normal(key, (t_rows, k_dim), jnp.float32)
+        w = synthetic.random_packed(key, ggml_type, (N_EXPERTS, n), k_dim)
+        ids_np = distinct_expert_ids(key, t_rows, topk)
+        call = jax.jit(lambda x, w, ids: kernels.qmatmul_id(x, w, ids, ggml_type, backend="ffi"))
+        args = (x, w, jnp.asarray(ids_np))
+        moved = len(np.unique(ids_np)) * w.shape[1] * w.shape[2]
+    elif groups > 1:
+        x = jax.random.normal(key, (t_rows, groups, k_dim), jnp.float32)
+        w = synthetic.random_packed(key, ggml_type, (groups, n), k_dim)
+        call = jax.jit(lambda x, w: kernels.qmatmul_grouped(x, w, ggml_type, backend="ffi"))
+        args, moved = (x, w), w.size
+    else:
+        x = jax.random.normal(key, (t_rows, k_dim), jnp.float32)
+        w = synthetic.random_packed(key, ggml_type, (n,), k_dim)
+        call = jax.jit(lambda x, w: kernels.qmatmul(x, w, ggml_type, backend="ffi"))
+        args, moved = (x, w), w.size
+    for _ in range(2):
+        jax.block_until_ready(call(*args))
+    return int(moved)
+
+
+def print_table(durations_csv: str, configs_json: str, copy_gbps: float) -> None:
+    """Durations of the second launch of each call, GB/s, % of copy bandwidth and time(T) / time(T=1)."""
+    with open(durations_csv) as f:
+        rows = [r for r in csv.DictReader(line for line in f if line.startswith('"'))
+                if r.get("Metric Name") == "gpu__time_duration.sum"]
+    with open(configs_json) as f:
+        configs = json.load(f)
+    if len(rows) != 2 * len(configs):
+        raise SystemExit(f"{durations_csv}: {len(rows)} profiled launches, expected 2 per call ({len(configs)} calls)")
+    scale = {"ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3, "nsecond": 1e-3}
+    print(f"{'format':8s} {'shape':11s} {'T':>2s} {'us':>8s} {'GB/s':>7s} {'%copy':>6s} {'T/T1':>5s}")
+    base = {}
+    for c, r in zip(configs, rows[1::2]):
+        us = float(r["Metric Value"].replace(",", "")) * scale[r["Metric Unit"]]
+        key = (c["format"], c["shape"])
+        base.setdefault(key, us)
+        gbps = c["bytes"] / us / 1e3
+        print(f"{c['format']:8s} {c['shape']:11s} {c['T']:2d} {us:8.1f} {gbps:7.0f} {100 * gbps / copy_gbps:5.0f}% "
+              f"{us / base[key]:5.2f}")
 
 
 def main(argv: list[str]) -> None:
     del argv
-    ggml_type = GGMLType[FLAGS.format]
-    k_dim, n, _, topk = SHAPES[FLAGS.shape]
-    key = jax.random.PRNGKey(0)
-    x = jax.random.normal(key, (FLAGS.t_rows, k_dim), jnp.float32)
-    if topk:
-        w = synthetic.random_packed(key, ggml_type, (N_EXPERTS, n), k_dim)
-        ids = jnp.asarray(distinct_expert_ids(key, FLAGS.t_rows, topk))
-        call = jax.jit(lambda x, w, ids: kernels.qmatmul_id(x, w, ids, ggml_type, backend="ffi"))
-        args = (x, w, ids)
-    else:
-        w = synthetic.random_packed(key, ggml_type, (n,), k_dim)
-        call = jax.jit(lambda x, w: kernels.qmatmul(x, w, ggml_type, backend="ffi"))
-        args = (x, w)
-    for _ in range(2):
-        jax.block_until_ready(call(*args))
-    print(f"ran {FLAGS.format} {FLAGS.shape} T={FLAGS.t_rows} twice on {jax.devices()[0].device_kind}")
+    if FLAGS.table_from:
+        print_table(FLAGS.table_from, FLAGS.configs_in, FLAGS.copy_gbps)
+        return
+    configs = []
+    for fmt in FLAGS.formats:
+        for shape in FLAGS.shapes:
+            for t_rows in map(int, FLAGS.t_rows):
+                moved = run_call(GGMLType[fmt], shape, t_rows)
+                configs.append({"format": fmt, "shape": shape, "T": t_rows, "bytes": moved})
+    print(f"ran {len(configs)} calls twice each on {jax.devices()[0].device_kind}")
+    if FLAGS.configs_out:
+        with open(FLAGS.configs_out, "w") as f:
+            json.dump(configs, f, indent=1)
 
 
 if __name__ == "__main__":
