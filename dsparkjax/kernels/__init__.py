@@ -1,4 +1,4 @@
-"""Batch-invariant kernels: packed quantized matmul (dense and MoE by expert id) and mHC pre/post.
+"""Batch-invariant kernels: packed quantized matmul (dense, MoE by expert id, grouped) and mHC pre/post.
 
 Every op has two backends with one signature:
   * "ffi": the compiled XLA FFI plugin (`custom_calls/`, CPU and CUDA). Weights stay packed exactly as stored
