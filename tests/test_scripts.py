@@ -1,0 +1,67 @@
+"""The kernel measurement scripts (`scripts/bench_kernels.py`, `scripts/profile_kernel.py`) on CPU.
+
+They produce the numbers in docs/PERFORMANCE.md, so their arithmetic is checked here: the benchmark runs
+end to end at tiny sizes, and the duration table is computed from a hand-made Nsight Compute CSV.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+
+def run_script(name: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPTS / name), *args], capture_output=True, text=True, timeout=600)
+
+
+def test_bench_kernels_rows(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = run_script("bench_kernels.py", "--formats=Q8_0", "--shapes=attn_a,grouped_o", "--t_max=2",
+                      "--calls=2", "--reps=1", "--copy_mib=8", "--rotate_mib=1", f"--json_out={out}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["shape"], r["T"]) for r in rows] == [(s, t) for s in ("attn_a", "grouped_o") for t in (1, 2)]
+    by_shape = {r["shape"]: r for r in rows if r["T"] == 1}
+    assert by_shape["attn_a"]["bytes"] == 1024 * 4096 // 32 * 34  # Q8_0: 34 bytes per 32 weights
+    assert by_shape["grouped_o"]["bytes"] == 8 * by_shape["attn_a"]["bytes"]  # all eight groups in one call
+    assert all({"us", "gbps", "frac_copy", "ratio_vs_T1"} <= r.keys() for r in rows)  # timings: not checked on CPU
+
+
+def write_ncu_csv(path: Path, durations: list[tuple[str, str]]) -> None:
+    """An ncu `--csv --metrics gpu__time_duration.sum` log: tool lines, a header, one row per launch."""
+    lines = ['==PROF== Connected to process 1', '"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"']
+    lines += [f'"{i}","qmatmul_kernel","gpu__time_duration.sum","{unit}","{value}"'
+              for i, (unit, value) in enumerate(durations)]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_profile_kernel_table(tmp_path):
+    configs = [{"format": "Q8_0", "shape": "attn_a", "T": 1, "bytes": 4_000_000},
+               {"format": "Q8_0", "shape": "attn_a", "T": 4, "bytes": 4_000_000}]
+    (tmp_path / "c.json").write_text(json.dumps(configs))
+    # two launches per call, the second is the measured one: 2 us (as ns, with a thousands separator), then 5 us
+    write_ncu_csv(tmp_path / "d.csv", [("usecond", "9.0"), ("nsecond", "2,000"), ("usecond", "9.0"), ("usecond", "5.0")])
+    proc = run_script("profile_kernel.py", f"--table_from={tmp_path / 'd.csv'}", f"--configs_in={tmp_path / 'c.json'}",
+                      "--copy_gbps=4000")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line.split() for line in proc.stdout.splitlines() if line.startswith("Q8_0")]
+    assert rows == [["Q8_0", "attn_a", "1", "2.0", "2000", "50%", "1.00"],
+                    ["Q8_0", "attn_a", "4", "5.0", "800", "20%", "2.50"]]
+
+
+def test_profile_kernel_table_rejects_a_short_log(tmp_path):
+    (tmp_path / "c.json").write_text(json.dumps([{"format": "Q8_0", "shape": "attn_a", "T": 1, "bytes": 1}]))
+    write_ncu_csv(tmp_path / "d.csv", [("usecond", "1.0")])
+    proc = run_script("profile_kernel.py", f"--table_from={tmp_path / 'd.csv'}", f"--configs_in={tmp_path / 'c.json'}",
+                      "--copy_gbps=1")
+    assert proc.returncode != 0 and "1 profiled launches, expected 2 per call" in proc.stderr + proc.stdout
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__]))
