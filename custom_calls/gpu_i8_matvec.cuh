@@ -516,21 +516,18 @@ inline int copy_width(const uint8_t* w, int64_t row_bytes, int chunk_bytes) {
   return 0;
 }
 
-// Token slots a CTA can stage next to `fixed_smem` bytes of shared memory (at most kMaxCols and `wanted`; 0:
-// not even one token's activations fit, the call takes the float path).
-inline int token_slots(int64_t K, int64_t wanted, int fixed_smem) {
-  const int64_t room = smem_optin() - 1024 - fixed_smem;  // 1 KB: the kernels' static shared memory
-  return (int)std::max<int64_t>(0, std::min<int64_t>({kMaxCols, wanted, room / x_token_bytes(K)}));
-}
-
-// Token slots that still let two CTAs share an SM (each SM reserves 1 KB per CTA; 1 KB of static shared memory),
-// or token_slots() when not even one fits that way. For the MoE kernel: its passes hold the tokens of one
-// expert, one in a decode step, so eight reserved slots (100 KB at K = 4096) would only halve the occupancy
-// (docs/PERFORMANCE.md, run 4: one CTA of 8 warps per SM at 195 KB).
-inline int token_slots_two_per_sm(int64_t K, int64_t wanted, int fixed_smem) {
-  const int64_t room = smem_per_sm() / 2 - 2 * 1024 - fixed_smem;
-  const int64_t two = std::min<int64_t>({kMaxCols, wanted, room / x_token_bytes(K)});
-  return two >= 1 ? (int)two : token_slots(K, wanted, fixed_smem);
+// Token slots a CTA can stage next to `fixed_smem` bytes of shared memory, at most kMaxCols and `wanted` (0:
+// not even one token's activations fit, the call takes the float path). With `share_sm`, as many as still
+// let two CTAs share an SM (each SM reserves 1 KB per CTA; 1 KB of static shared memory per CTA) when at
+// least one does: for the MoE kernel, whose passes hold the tokens of one expert, one in a decode step, so
+// eight reserved slots (100 KB at K = 4096) would only halve the occupancy (docs/PERFORMANCE.md, run 4: one
+// CTA of 8 warps per SM at 195 KB).
+inline int token_slots(int64_t K, int64_t wanted, int fixed_smem, bool share_sm) {
+  const auto fit = [&](int64_t room) {
+    return std::max<int64_t>(0, std::min<int64_t>({kMaxCols, wanted, (room - fixed_smem) / x_token_bytes(K)}));
+  };
+  const int64_t shared = share_sm ? fit(smem_per_sm() / 2 - 2 * 1024) : 0;
+  return (int)(shared > 0 ? shared : fit(smem_optin() - 1024));
 }
 
 // Largest R per format: a Q8_0 chunk is 2 KB per row, so four rows' copy rings would crowd out the activations.
@@ -558,7 +555,7 @@ bool launch_qmatmul(gpuStream_t stream, const QDims& d, const uint8_t* w, const 
   bool launched = false;
   if (a.copy_bytes == 0) return launched;
   visit_rows<kMaxRows<Fmt>>(pick_rows(d.N), [&](auto rc) {
-    const int slots = token_slots(d.K, d.T, kFixedSmemBytes<Fmt, decltype(rc)::value>);
+    const int slots = token_slots(d.K, d.T, kFixedSmemBytes<Fmt, decltype(rc)::value>, false);
     if (slots == 0) return;
     const unsigned tiles = (unsigned)((d.T + slots - 1) / slots);
     visit_cols(slots, [&](auto nc) {
@@ -582,7 +579,7 @@ bool launch_qmatmul_id(gpuStream_t stream, const QDims& d, const uint8_t* w, con
   // second CTA per SM (docs/kernels.md has the budget). Token slots: as many as tokens
   // (an expert is chosen at most once per token unless ids repeat), as far as two CTAs still share an SM.
   visit_rows<2>(pick_rows(d.N * std::min(P, kMaxCols)), [&](auto rc) {
-    const int slots = token_slots_two_per_sm(d.K, d.T, kFixedSmemBytes<Fmt, decltype(rc)::value>);
+    const int slots = token_slots(d.K, d.T, kFixedSmemBytes<Fmt, decltype(rc)::value>, true);
     if (slots == 0) return;
     // Slots beyond the first of each expert exit at once; with distinct experts per token about min(P, 8)
     // slots' CTAs run at a time.
