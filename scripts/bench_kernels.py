@@ -65,42 +65,62 @@ def distinct_expert_ids(key: jax.Array, t_rows: int, k: int) -> np.ndarray:
     return np.stack([np.asarray(jax.random.permutation(kk, N_EXPERTS))[:k] for kk in keys]).astype(np.int32)
 
 
+def weight_rows(name: str) -> tuple[int, int]:
+    """Leading shape of a shape's packed weight: (experts, N) for MoE shapes, (groups, N) otherwise."""
+    _, n, groups, topk = SHAPES[name]
+    return (N_EXPERTS if topk else groups, n)
+
+
+def input_shape(name: str, t_rows: int) -> tuple[int, ...]:
+    """Activations of one call: `[T, K]` for MoE shapes, `[T, groups, K]` otherwise."""
+    k_dim, _, groups, topk = SHAPES[name]
+    return (t_rows, k_dim) if topk else (t_rows, groups, k_dim)
+
+
+def call_kernel(name: str, t: GGMLType, x: jax.Array, w: jax.Array, ids: jax.Array | None, backend: str) -> jax.Array:
+    """One call at shape `name` as the model makes it: MoE by expert id, one grouped call for all groups
+    (the grouped output projection), or a dense matmul."""
+    _, _, groups, topk = SHAPES[name]
+    if topk:
+        return kernels.qmatmul_id(x, w, ids, t, backend=backend)
+    if groups > 1:
+        return kernels.qmatmul_grouped(x, w, t, backend=backend)
+    return kernels.qmatmul(x[:, 0], w[0], t, backend=backend)
+
+
+def weight_bytes(w: jax.Array, ids: np.ndarray | None) -> int:
+    """Weight bytes one call reads: each distinct selected expert once, or the whole (grouped) weight."""
+    return int(len(np.unique(ids)) * w.shape[1] * w.shape[2]) if ids is not None else int(w.size)
+
+
 def bench_shape(t: GGMLType, name: str, t_max: int) -> list[dict]:
     """Rows of results for one format and shape, T = 1..t_max."""
-    k_dim, n, groups, topk = SHAPES[name]
+    topk = SHAPES[name][3]
     key = jax.random.PRNGKey(int(t))
     experts, backend, calls = topk > 0, FLAGS.backend, FLAGS.calls
-    if experts:
-        weights = [synthetic.random_packed(key, t, (N_EXPERTS, n), k_dim)]
-    else:
-        one = synthetic.random_packed(key, t, (groups, n), k_dim)
-        copies = max(1, min(2 * calls, math.ceil((FLAGS.rotate_mib << 20) / one.nbytes)))
-        weights = [one] + [synthetic.random_packed(jax.random.fold_in(key, i), t, (groups, n), k_dim)
-                           for i in range(1, copies)]
+    one = synthetic.random_packed(key, t, weight_rows(name), SHAPES[name][0])
+    copies = 1 if experts else max(1, min(2 * calls, math.ceil((FLAGS.rotate_mib << 20) / one.nbytes)))
+    weights = [one] + [synthetic.random_packed(jax.random.fold_in(key, i), t, weight_rows(name), SHAPES[name][0])
+                       for i in range(1, copies)]
 
     def make_program(m: int):
         @jax.jit
         def prog(ws: list[jax.Array], xs: list[jax.Array], ids: list[jax.Array]) -> list[jax.Array]:
-            if experts:
-                return [kernels.qmatmul_id(xs[c], ws[0], ids[c], t, backend=backend) for c in range(m)]
-            if groups > 1:  # as the model runs the grouped output projection: one call for all groups
-                return [kernels.qmatmul_grouped(xs[c], ws[c % len(ws)], t, backend=backend) for c in range(m)]
-            return [kernels.qmatmul(xs[c][:, 0], ws[c % len(ws)][0], t, backend=backend) for c in range(m)]
+            return [call_kernel(name, t, xs[c], ws[c % len(ws)], ids[c] if experts else None, backend)
+                    for c in range(m)]
         return prog
 
     rows, base = [], None
     for t_rows in range(1, t_max + 1):
         data_key = jax.random.fold_in(key, t_rows)
-        xs = [jax.random.normal(jax.random.fold_in(data_key, c), (t_rows, k_dim) if experts else
-                                (t_rows, groups, k_dim), jnp.float32) for c in range(2 * calls)]
+        xs = [jax.random.normal(jax.random.fold_in(data_key, c), input_shape(name, t_rows), jnp.float32)
+              for c in range(2 * calls)]
         ids = [distinct_expert_ids(jax.random.fold_in(data_key, 10_000 + c), t_rows, topk)
                for c in range(2 * calls)] if experts else []
         id_arrays = [jnp.asarray(i) for i in ids]
         sec = seconds_per_call(make_program, lambda m: (weights, xs[:m], id_arrays[:m]), calls, FLAGS.reps)
-        if experts:  # bytes of the distinct experts of one call, averaged over the calls
-            moved = np.mean([len(np.unique(i)) for i in ids]) * weights[0].shape[1] * weights[0].shape[2]
-        else:
-            moved = weights[0].size
+        # averaged over the calls (each call's experts differ)
+        moved = np.mean([weight_bytes(weights[0], i) for i in ids]) if experts else weight_bytes(weights[0], None)
         base = base if base is not None else sec
         rows.append(
             {"format": t.name, "shape": name, "T": t_rows, "us": sec * 1e6, "bytes": int(moved),

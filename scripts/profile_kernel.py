@@ -24,11 +24,16 @@ import json
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from absl import app, flags
+from bench_kernels import (  # scripts/ is on sys.path
+    SHAPES,
+    call_kernel,
+    distinct_expert_ids,
+    input_shape,
+    weight_bytes,
+    weight_rows,
+)
 
-from bench_kernels import N_EXPERTS, SHAPES, distinct_expert_ids  # scripts/ is on sys.path
-from dsparkjax import kernels
 from dsparkjax.formats import GGMLType
 from dsparkjax.kernels import synthetic
 
@@ -43,28 +48,14 @@ flags.DEFINE_float("copy_gbps", None, "with --table_from: device copy bandwidth 
 
 def run_call(ggml_type: GGMLType, shape: str, t_rows: int) -> int:
     """Runs one call at `shape` twice; returns the weight bytes it reads (each distinct expert once)."""
-    k_dim, n, groups, topk = SHAPES[shape]
     key = jax.random.PRNGKey(0)
-    if topk:
-        x = jax.random.normal(key, (t_rows, k_dim), jnp.float32)
-        w = synthetic.random_packed(key, ggml_type, (N_EXPERTS, n), k_dim)
-        ids_np = distinct_expert_ids(key, t_rows, topk)
-        call = jax.jit(lambda x, w, ids: kernels.qmatmul_id(x, w, ids, ggml_type, backend="ffi"))
-        args = (x, w, jnp.asarray(ids_np))
-        moved = len(np.unique(ids_np)) * w.shape[1] * w.shape[2]
-    elif groups > 1:
-        x = jax.random.normal(key, (t_rows, groups, k_dim), jnp.float32)
-        w = synthetic.random_packed(key, ggml_type, (groups, n), k_dim)
-        call = jax.jit(lambda x, w: kernels.qmatmul_grouped(x, w, ggml_type, backend="ffi"))
-        args, moved = (x, w), w.size
-    else:
-        x = jax.random.normal(key, (t_rows, k_dim), jnp.float32)
-        w = synthetic.random_packed(key, ggml_type, (n,), k_dim)
-        call = jax.jit(lambda x, w: kernels.qmatmul(x, w, ggml_type, backend="ffi"))
-        args, moved = (x, w), w.size
+    x = jax.random.normal(key, input_shape(shape, t_rows), jnp.float32)
+    w = synthetic.random_packed(key, ggml_type, weight_rows(shape), SHAPES[shape][0])
+    ids = distinct_expert_ids(key, t_rows, SHAPES[shape][3]) if SHAPES[shape][3] else None
+    call = jax.jit(lambda x, w, ids: call_kernel(shape, ggml_type, x, w, ids, "ffi"))
     for _ in range(2):
-        jax.block_until_ready(call(*args))
-    return int(moved)
+        jax.block_until_ready(call(x, w, None if ids is None else jnp.asarray(ids)))
+    return weight_bytes(w, ids)
 
 
 def print_table(durations_csv: str, configs_json: str, copy_gbps: float) -> None:
