@@ -61,21 +61,33 @@ __device__ __forceinline__ float4 load4(const uint16_t* p) {
                      bits_to_float(u.y & 0xFFFF0000u));
 }
 
+// The block exponent e of a largest magnitude m (bits of a finite float > 0): 2^(e-1) <= m < 2^e, as frexpf
+// gives it, from the bits (subnormals included).
+__device__ __forceinline__ int block_exponent(uint32_t m) {
+  return m >= 0x00800000u ? (int)(m >> 23) - 126 : -117 - __clz((int)m);
+}
+
+// 2^n as a float: for -126 <= n <= 127 (normal), and for any n >= -149 (subnormal below -126, 0 below -149:
+// ldexpf(1, n) exactly).
+__device__ __forceinline__ float pow2_normal(int n) { return __uint_as_float((uint32_t)(n + 127) << 23); }
+__device__ __forceinline__ float exp2_int(int n) {
+  return n >= -126 ? pow2_normal(n) : __uint_as_float(n >= -149 ? 1u << (n + 149) : 0u);
+}
+
 // Limbs of four activations of one sub-block whose largest magnitude is below 2^e: byte k of limbs[l] is limb l
-// of element k.
+// of element k (limb 0 the most significant). X = rint(x · 2^(22-e)) as ldexpf would scale it: 22 - e lies in
+// [-106, 171], so the scale is one multiply by a normal power of two and, past 2^127, a second exact scale-up.
+// With |X| <= 2^22, Y = X + 0x808080 lies in [0, 2^24) and its bytes are the balanced base-256 digits of X
+// plus 128 (the digits are unique), so limb l is byte 2 - l of Y with its top bit flipped.
 __device__ __forceinline__ void limbs4(float4 v, int e, uint32_t limbs[3]) {
-  const float f[4] = {v.x, v.y, v.z, v.w};
-  limbs[0] = limbs[1] = limbs[2] = 0;
+  const int n = 22 - e, n1 = min(n, 127);
+  const float f1 = pow2_normal(n1), f2 = pow2_normal(n - n1);
+  const auto digits = [&](float a) { return (uint32_t)__float2int_rn(__fmul_rn(__fmul_rn(a, f1), f2)) + 0x808080u; };
+  const uint32_t y0 = digits(v.x), y1 = digits(v.y), y2 = digits(v.z), y3 = digits(v.w);
 #pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    int X = __float2int_rn(ldexpf(f[k], 22 - e));
-    const int l2 = ((X + 128) & 255) - 128;
-    X = (X - l2) >> 8;
-    const int l1 = ((X + 128) & 255) - 128;
-    const int l0 = (X - l1) >> 8;
-    limbs[0] |= (uint32_t)(l0 & 255) << (8 * k);
-    limbs[1] |= (uint32_t)(l1 & 255) << (8 * k);
-    limbs[2] |= (uint32_t)(l2 & 255) << (8 * k);
+  for (int l = 0; l < 3; ++l) {
+    const uint32_t pick = (uint32_t)(2 - l) | (uint32_t)(6 - l) << 4;  // byte 2 - l of the first and second word
+    limbs[l] = __byte_perm(__byte_perm(y0, y1, pick), __byte_perm(y2, y3, pick), 0x5410) ^ 0x80808080u;
   }
 }
 
@@ -84,44 +96,45 @@ __device__ __forceinline__ void limbs4(float4 v, int e, uint32_t limbs[3]) {
 constexpr int kStageBatch = 4;
 
 // Quantises the activations of `src` into shared memory. Lane group g = lane / 8 of a warp takes sub-block
-// i = 4·(warp step) + g, lane q = lane % 8 its elements 4q..4q+3; the sub-block's largest magnitude is an
-// integer max over the 8 lanes (on |bits|, so a NaN or inf anywhere wins and gives a NaN scale).
+// i = 4·(warp step) + g of the call's (token, sub-block) sequence, lane q = lane % 8 its elements 4q..4q+3; the
+// sub-block's largest magnitude is an integer max over the 8 lanes (on |bits|, so a NaN or inf anywhere wins
+// and gives a NaN scale). Offsets in shared memory are 32-bit (it is at most 228 KB).
 template <class XT>
 __device__ __forceinline__ void stage_tokens(const XSource& src, float* scales) {
-  const int nsub = (int)(src.K / 32), warp = threadIdx.x / kLanes, lane = threadIdx.x % kLanes, q = lane % 8;
-  const int total = src.ntok * nsub;
+  const uint32_t nsub = (uint32_t)(src.K / 32), total = (uint32_t)src.ntok * nsub, K = (uint32_t)src.K;
+  const uint32_t warp = threadIdx.x / kLanes, lane = threadIdx.x % kLanes, q = lane % 8;
   const XT* x = static_cast<const XT*>(src.x);
-  for (int i0 = warp * 4 + lane / 8; i0 - lane / 8 < total; i0 += kWarps * 4 * kStageBatch) {
+  for (uint32_t i0 = warp * 4 + lane / 8; i0 - lane / 8 < total; i0 += kWarps * 4 * kStageBatch) {
     float4 v[kStageBatch];
+    uint32_t slot[kStageBatch], sb[kStageBatch];
 #pragma unroll
     for (int u = 0; u < kStageBatch; ++u) {
-      const int i = i0 + u * kWarps * 4, slot = i / nsub;
-      v[u] = i < total ? load4(x + (int64_t)src.rows[slot] * src.K + (i - slot * nsub) * 32 + 4 * q)
+      const uint32_t i = i0 + u * kWarps * 4;
+      slot[u] = i / nsub;
+      sb[u] = i - slot[u] * nsub;
+      v[u] = i < total ? load4(x + (int64_t)src.rows[slot[u]] * src.K + sb[u] * 32 + 4 * q)
                        : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     }
 #pragma unroll
     for (int u = 0; u < kStageBatch; ++u) {
-      const int i = i0 + u * kWarps * 4, slot = i / nsub, sb = i - slot * nsub;
+      const uint32_t i = i0 + u * kWarps * 4;
       uint32_t m = max(max(__float_as_uint(v[u].x) & 0x7FFFFFFFu, __float_as_uint(v[u].y) & 0x7FFFFFFFu),
                        max(__float_as_uint(v[u].z) & 0x7FFFFFFFu, __float_as_uint(v[u].w) & 0x7FFFFFFFu));
       for (int s = 1; s < 8; s <<= 1) m = max(m, __float_as_uint(gpu_shfl_xor(__uint_as_float(m), s)));
       if (i >= total) continue;
-      const float mf = __uint_as_float(m);
-      int e = 0;
       float sc = 0.0f;
       uint32_t limbs[3] = {0, 0, 0};
-      if (!(mf <= 3.402823466e38f)) {
+      if (m >= 0x7F800000u) {
         sc = __int_as_float(0x7fc00000);
-      } else if (mf > 0.0f) {
-        frexpf(mf, &e);
-        sc = ldexpf(1.0f, e - 22);
+      } else if (m > 0) {
+        const int e = block_exponent(m);
+        sc = exp2_int(e - 22);
         limbs4(v[u], e, limbs);
       }
       // limb l, half q / 4, bytes 4·(q % 4)..: array 2l + q/4 of the slot, word q % 4 of sub-block sb
-      uint8_t* sub_at = src.dst + (int64_t)slot * 3 * src.K + (q / 4) * (src.K / 2) + sb * 16;
-      uint32_t* out = reinterpret_cast<uint32_t*>(sub_at) + q % 4;
+      uint32_t* out = reinterpret_cast<uint32_t*>(src.dst + slot[u] * 3 * K + (q / 4) * (K / 2) + sb[u] * 16) + q % 4;
 #pragma unroll
-      for (int l = 0; l < 3; ++l) out[l * (src.K / 4)] = limbs[l];  // + 2l arrays of K/2 bytes
+      for (int l = 0; l < 3; ++l) out[l * (K / 4)] = limbs[l];  // + 2l arrays of K/2 bytes
       if (q == 0) scales[i] = sc;
     }
   }
@@ -211,22 +224,25 @@ constexpr SignMasks make_sign_masks() {
 __device__ const SignMasks kIq2SignMasksDevice = make_sign_masks();
 
 // Fills the replicated tables from the device's constant arrays: every load first (one global round trip),
-// then the stores.
+// then the stores, each 16 bytes (two copies of one entry).
 template <class Fmt>
 __device__ Tables init_tables(uint8_t* smem) {
   if constexpr (Sub<Fmt>::kTableBytes > 0) {
-    constexpr int kGridPer = 256 * 16 / kThreads, kSignPer = 128 * 16 / kThreads;
+    constexpr int kGridPer = 256 * 8 / kThreads, kSignPer = 128 * 8 / kThreads;  // 16-byte stores per thread
     uint64_t g[kGridPer], m[kSignPer];
 #pragma unroll
-    for (int j = 0; j < kGridPer; ++j) g[j] = kIq2xxsGridDevice[(threadIdx.x + j * kThreads) >> 4];
+    for (int j = 0; j < kGridPer; ++j) g[j] = kIq2xxsGridDevice[(threadIdx.x + j * kThreads) >> 3];
 #pragma unroll
-    for (int j = 0; j < kSignPer; ++j) m[j] = kIq2SignMasksDevice.m[(threadIdx.x + j * kThreads) >> 4];
-    uint2* grid = reinterpret_cast<uint2*>(smem);
-    uint2* sign = reinterpret_cast<uint2*>(smem + kGridBytes);
+    for (int j = 0; j < kSignPer; ++j) m[j] = kIq2SignMasksDevice.m[(threadIdx.x + j * kThreads) >> 3];
+    const auto twice = [](uint64_t e) {
+      return make_uint4((uint32_t)e, (uint32_t)(e >> 32), (uint32_t)e, (uint32_t)(e >> 32));
+    };
+    uint4* grid = reinterpret_cast<uint4*>(smem);
+    uint4* sign = reinterpret_cast<uint4*>(smem + kGridBytes);
 #pragma unroll
-    for (int j = 0; j < kGridPer; ++j) grid[threadIdx.x + j * kThreads] = make_uint2((uint32_t)g[j], (uint32_t)(g[j] >> 32));
+    for (int j = 0; j < kGridPer; ++j) grid[threadIdx.x + j * kThreads] = twice(g[j]);
 #pragma unroll
-    for (int j = 0; j < kSignPer; ++j) sign[threadIdx.x + j * kThreads] = make_uint2((uint32_t)m[j], (uint32_t)(m[j] >> 32));
+    for (int j = 0; j < kSignPer; ++j) sign[threadIdx.x + j * kThreads] = twice(m[j]);
     __syncthreads();
   }
   return Tables{smem + (threadIdx.x & 15) * 8};
@@ -257,10 +273,10 @@ constexpr int kStages = std::min(8, std::max(2, 1 + (4096 + R * Sub<Fmt>::kChunk
 template <class Fmt>
 constexpr int kRowStride = (Sub<Fmt>::kChunkBytes + 4 + 15) / 16 * 16;  // + 4: the decoders read one word past a row
 
-// |i| < 2^22 as float, exactly: 1.5·2^23 + i built in the mantissa, minus 1.5·2^23 (two full-rate operations).
-__device__ __forceinline__ float small_int_to_float(int i) {
-  return __fsub_rn(__int_as_float(0x4B400000 + i), 12582912.0f);
-}
+// Integer dot products start from the bits of 1.5·2^23 (kBiasedZero), so a sum |i| < 2^22 lands in the mantissa of
+// 1.5·2^23 + i and one subtraction gives i as a float, exactly.
+constexpr int kBiasedZero = 0x4B400000;
+__device__ __forceinline__ float unbias(int biased) { return __fsub_rn(__int_as_float(biased), 12582912.0f); }
 
 // Sub-block `sub` of a staged chunk (global sub-block index sb) for R rows and the first ncols of NC token
 // slots: exact int32 limb dot products (their summation order is free: integer adds are exact), then one fixed
@@ -290,13 +306,10 @@ __device__ __forceinline__ void sub_block(const XView& xv, int ncols, const uint
         float I[3];
 #pragma unroll
         for (int l = 0; l < 3; ++l) {
-          int s0 = 0, s1 = 0;
+          int sum = kBiasedZero;
 #pragma unroll
-          for (int j = 0; j < 8; j += 2) {
-            s0 = gpu_dp4a((int)q[r][j], xw[l][j], s0);
-            s1 = gpu_dp4a((int)q[r][j + 1], xw[l][j + 1], s1);
-          }
-          I[l] = small_int_to_float(s0 + s1);  // |I| <= 32 * 128 * 128 < 2^22
+          for (int j = 0; j < 8; ++j) sum = gpu_dp4a((int)q[r][j], xw[l][j], sum);
+          I[l] = unbias(sum);  // |I| <= 32 * 128 * 128 < 2^22
         }
         const float v = __fmaf_rn(I[0], 65536.0f, __fmaf_rn(I[1], 256.0f, I[2]));
         acc[r][t] = __fmaf_rn(__fmul_rn(dw[r], xs), v, acc[r][t]);
