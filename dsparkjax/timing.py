@@ -33,10 +33,16 @@ def min_seconds(fn: Callable[..., Any], *args: Any, reps: int) -> float:
 
 
 def copy_bandwidth(mib: int = 1024, reps: int = 10) -> float:
-    """Bytes/s of a device copy (bytes read + bytes written) of a `mib` MiB float32 buffer, best of `reps`:
-    the ceiling that memory-bound kernels are measured against."""
-    buf = jnp.zeros((mib << 20) // 4, jnp.float32)
-    return 2 * buf.nbytes / min_seconds(jax.jit(lambda b: b + 1.0), buf, reps=reps)
+    """Bytes/s of a device copy (bytes read + bytes written) of a `mib` MiB float32 buffer: the ceiling that
+    memory-bound kernels are measured against, timed like them (`seconds_per_call`: the slope between
+    programs of four and eight copies of distinct buffers, each the fastest of `reps`; 16 buffers of `mib` MiB
+    in all), so that dispatch and synchronisation count in neither. One copy timed alone by wall clock read
+    2986 GB/s on an H200 whose copy kernel Nsight Compute timed at 4325 GB/s; a slope over one extra copy
+    moved between 3588 and 4484 GB/s from run to run (docs/PERFORMANCE.md, run 6)."""
+    n = (mib << 20) // 4
+    bufs = [jnp.full((n,), float(i), jnp.float32) for i in range(8)]
+    copies = jax.jit(lambda bs: [b + 1.0 for b in bs])
+    return 2 * bufs[0].nbytes / seconds_per_call(lambda m: copies, lambda m: (bufs[:m],), 4, reps)
 
 
 def seconds_per_call(make_program: Callable[[int], Callable[..., Any]], make_args: Callable[[int], tuple], n: int,

@@ -110,7 +110,7 @@ def main(argv: list[str]) -> None:
                                                                           max_new_tokens=n, **kw))
     dspark, t_dspark = timed("spec DSpark (random), exact", lambda n: generate(target, prompts, drafter=drafter,
                                                                                max_new_tokens=n, **kw))
-    bw = copy_bandwidth(1024, 10)
+    bw = copy_bandwidth(256, 10)
     tokens = sum(len(r.token_ids) for r in ar_fast)
     steps_ar = max(r.steps for r in ar_fast)
     roofline_step = step_weight_bytes(target) / bw

@@ -2,7 +2,8 @@
 
 For each format, shape and T = 1..--t_max: device time per call, achieved GB/s of weight bytes read (each
 distinct expert counted once), that as a fraction of the device copy bandwidth measured in the same run
-(best of read + write of a --copy_mib buffer), and the ratio time(T) / time(1).
+(read + write of --copy_mib buffers, timed by the same slope: `dsparkjax.timing.copy_bandwidth`), and the
+ratio time(T) / time(1).
 
 The time per call is the slope between a program of --calls and one of 2·--calls calls (so the program's
 fixed dispatch cost drops out and each call's launch gap stays in), and the calls rotate over distinct
@@ -133,7 +134,8 @@ def main(argv: list[str]) -> None:
     del argv
     print(f"jax {jax.__version__}, device {jax.devices()[0].device_kind}, backend {FLAGS.backend}")
     copy_bw = copy_bandwidth(FLAGS.copy_mib, FLAGS.reps)
-    print(f"device copy bandwidth (read + write of {FLAGS.copy_mib} MiB, best of {FLAGS.reps}): {copy_bw / 1e9:.0f} GB/s")
+    print(f"device copy bandwidth (read + write of {FLAGS.copy_mib} MiB buffers, slope of 4 vs 8 copies): "
+          f"{copy_bw / 1e9:.0f} GB/s")
     print(f"{'format':20s} {'shape':11s} {'T':>2s} {'us':>9s} {'GB/s':>7s} {'%copy':>6s} {'T/T1':>5s}")
     results = []
     for fmt in FLAGS.formats:

@@ -44,14 +44,12 @@ XLA_FLAGS= python3 scripts/bench_generate.py --config wide --dtype bfloat16 --pr
 grep -v '^ ' "$OUT/generate_bf16.log" | tail -8
 fi
 if want durations; then  # about two minutes: each call's kernel alone, caches flushed (no overlap, no launch gap)
-echo "== kernel durations (ncu, every shape, T = 1 and 4)"
-copy=$(python3 -c 'from dsparkjax.timing import copy_bandwidth; print(f"{copy_bandwidth() / 1e9:.0f}")')
-echo "device copy bandwidth (read + write of 1024 MiB, best of 10): $copy GB/s" | tee "$OUT/durations.txt"
-ncu --clock-control none -k regex:qmatmul --metrics gpu__time_duration.sum --csv --log-file "$OUT/durations.csv" \
-  python3 scripts/profile_kernel.py --formats=Q8_0,IQ2_XXS --t_rows=1,4 --configs_out="$OUT/configs.json" \
-  > "$OUT/durations.log" 2>&1
+echo "== kernel durations (ncu, every shape, T = 1 and 4, against a 1 GiB copy kernel timed the same way)"
+ncu --clock-control none -k regex:'qmatmul|loop_add_fusion' --metrics gpu__time_duration.sum --csv \
+  --log-file "$OUT/durations.csv" python3 scripts/profile_kernel.py --formats=Q8_0,IQ2_XXS --t_rows=1,4 \
+  --copy_mib=1024 --configs_out="$OUT/configs.json" > "$OUT/durations.log" 2>&1
 python3 scripts/profile_kernel.py --table_from="$OUT/durations.csv" --configs_in="$OUT/configs.json" \
-  --copy_gbps="$copy" | tee -a "$OUT/durations.txt"
+  | tee "$OUT/durations.txt"
 fi
 if want profile; then  # not in the default set: about a minute, one Nsight Compute report per call
 echo "== ncu: one IQ2_XXS expert call and one Q8_0 attention call"

@@ -8,13 +8,16 @@ in depth:
       python3 scripts/profile_kernel.py --formats=IQ2_XXS --shapes=exp_up24
 
 Kernel durations of many calls (ncu flushes the caches before each profiled launch, so every call reads its
-weights from DRAM, and each launch runs alone: no overlap with neighbouring calls, no launch gap):
+weights from DRAM, and each launch runs alone: no overlap with neighbouring calls, no launch gap), against the
+duration of a 1 GiB copy kernel timed the same way (XLA names it loop_add_fusion):
 
-  ncu --clock-control none -k regex:qmatmul --metrics gpu__time_duration.sum --csv --log-file /tmp/d.csv \\
-      python3 scripts/profile_kernel.py --formats=Q8_0,IQ2_XXS --t_rows=1,4 --configs_out=/tmp/c.json
-  python3 scripts/profile_kernel.py --table_from=/tmp/d.csv --configs_in=/tmp/c.json --copy_gbps=3300
+  ncu --clock-control none -k regex:'qmatmul|loop_add_fusion' --metrics gpu__time_duration.sum --csv \\
+      --log-file /tmp/d.csv python3 scripts/profile_kernel.py --formats=Q8_0,IQ2_XXS --t_rows=1,4 \\
+      --configs_out=/tmp/c.json
+  python3 scripts/profile_kernel.py --table_from=/tmp/d.csv --configs_in=/tmp/c.json
 
---formats and --shapes are those of scripts/bench_kernels.py (with its defaults: every format and shape).
+--formats, --shapes and --copy_mib are those of scripts/bench_kernels.py (by default every format and shape,
+and a 1024 MiB copy).
 """
 
 from __future__ import annotations
@@ -43,7 +46,9 @@ flags.DEFINE_list("t_rows", ["1"], "tokens per call (T), one call per value")
 flags.DEFINE_string("configs_out", None, "write the calls made, in launch order, to this JSON file")
 flags.DEFINE_string("table_from", None, "instead of running: an ncu --csv log of gpu__time_duration.sum to tabulate")
 flags.DEFINE_string("configs_in", None, "with --table_from: the --configs_out file of the profiled run")
-flags.DEFINE_float("copy_gbps", None, "with --table_from: device copy bandwidth (GB/s) for the % column")
+flags.DEFINE_float("copy_gbps", None, "with --table_from: device copy bandwidth (GB/s) for the % column "
+                   "(default: from the run's copy launches: after its calls the run copies a --copy_mib buffer "
+                   "twice, b + 1.0 on float32, so that the same profiler times the copy)")
 
 
 def run_call(ggml_type: GGMLType, shape: str, t_rows: int) -> int:
@@ -58,20 +63,46 @@ def run_call(ggml_type: GGMLType, shape: str, t_rows: int) -> int:
     return weight_bytes(w, ids)
 
 
-def print_table(durations_csv: str, configs_json: str, copy_gbps: float) -> None:
-    """Durations of the second launch of each call, GB/s, % of copy bandwidth and time(T) / time(T=1)."""
+def run_copy(mib: int) -> int:
+    """Copies a `mib` MiB float32 buffer twice (one kernel each); returns the bytes each copy moves (read + write)."""
+    buf = jnp.zeros(((mib << 20) // 4,), jnp.float32)
+    copy = jax.jit(lambda b: b + 1.0)
+    for _ in range(2):
+        jax.block_until_ready(copy(buf))
+    return 2 * buf.nbytes
+
+
+def read_durations(durations_csv: str) -> list[tuple[str, float]]:
+    """(kernel name, microseconds) of each profiled launch of an ncu `--csv` gpu__time_duration.sum log."""
     with open(durations_csv) as f:
         rows = [r for r in csv.DictReader(line for line in f if line.startswith('"'))
                 if r.get("Metric Name") == "gpu__time_duration.sum"]
+    scale = {"ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3, "nsecond": 1e-3}
+    return [(r["Kernel Name"], float(r["Metric Value"].replace(",", "")) * scale[r["Metric Unit"]]) for r in rows]
+
+
+def print_table(durations_csv: str, configs_json: str, copy_gbps: float | None) -> None:
+    """Durations of the second launch of each call, GB/s, % of copy bandwidth and time(T) / time(T=1). The
+    copy bandwidth is `copy_gbps` or, when None, that of the faster of the run's two copy launches (the last
+    two profiled launches that are not a matmul)."""
+    launches = read_durations(durations_csv)
     with open(configs_json) as f:
         configs = json.load(f)
-    if len(rows) != 2 * len(configs):
-        raise SystemExit(f"{durations_csv}: {len(rows)} profiled launches, expected 2 per call ({len(configs)} calls)")
-    scale = {"ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3, "nsecond": 1e-3}
+    calls = [us for name, us in launches if "qmatmul" in name]
+    if len(calls) != 2 * len(configs["calls"]):
+        raise SystemExit(f"{durations_csv}: {len(calls)} profiled launches, expected 2 per call "
+                         f"({len(configs['calls'])} calls)")
+    if copy_gbps is None:
+        copies = [us for name, us in launches if "qmatmul" not in name][-2:]
+        if len(copies) < 2 or not configs.get("copy_bytes"):
+            raise SystemExit(f"{durations_csv}: no copy launches profiled (run with --copy_mib and an ncu kernel "
+                             "filter that takes the copy), or pass --copy_gbps")
+        copy_gbps = configs["copy_bytes"] / min(copies) / 1e3
+        print(f"device copy bandwidth (kernel duration, read + write of {configs['copy_bytes'] / 2**21:.0f} MiB): "
+              f"{copy_gbps:.0f} GB/s")
     print(f"{'format':8s} {'shape':11s} {'T':>2s} {'us':>8s} {'GB/s':>7s} {'%copy':>6s} {'T/T1':>5s}")
     base = {}
-    for c, r in zip(configs, rows[1::2]):
-        us = float(r["Metric Value"].replace(",", "")) * scale[r["Metric Unit"]]
+    for c, us in zip(configs["calls"], calls[1::2]):
         key = (c["format"], c["shape"])
         base.setdefault(key, us)
         gbps = c["bytes"] / us / 1e3
@@ -90,10 +121,12 @@ def main(argv: list[str]) -> None:
             for t_rows in map(int, FLAGS.t_rows):
                 moved = run_call(GGMLType[fmt], shape, t_rows)
                 configs.append({"format": fmt, "shape": shape, "T": t_rows, "bytes": moved})
-    print(f"ran {len(configs)} calls twice each on {jax.devices()[0].device_kind}")
+    copy_bytes = run_copy(FLAGS.copy_mib) if FLAGS.copy_mib else 0
+    print(f"ran {len(configs)} calls twice each on {jax.devices()[0].device_kind}"
+          + (f", then a {FLAGS.copy_mib} MiB copy twice" if copy_bytes else ""))
     if FLAGS.configs_out:
         with open(FLAGS.configs_out, "w") as f:
-            json.dump(configs, f, indent=1)
+            json.dump({"calls": configs, "copy_bytes": copy_bytes}, f, indent=1)
 
 
 if __name__ == "__main__":

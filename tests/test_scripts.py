@@ -34,34 +34,55 @@ def test_bench_kernels_rows(tmp_path):
     assert all({"us", "gbps", "frac_copy", "ratio_vs_T1"} <= r.keys() for r in rows)  # timings: not checked on CPU
 
 
-def write_ncu_csv(path: Path, durations: list[tuple[str, str]]) -> None:
-    """An ncu `--csv --metrics gpu__time_duration.sum` log: tool lines, a header, one row per launch."""
+def write_ncu_csv(path: Path, launches: list[tuple[str, str, str]]) -> None:
+    """An ncu `--csv --metrics gpu__time_duration.sum` log: tool lines, a header, one row per launch
+    (kernel name, unit, value)."""
     lines = ['==PROF== Connected to process 1', '"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"']
-    lines += [f'"{i}","qmatmul_kernel","gpu__time_duration.sum","{unit}","{value}"'
-              for i, (unit, value) in enumerate(durations)]
+    lines += [f'"{i}","{name}","gpu__time_duration.sum","{unit}","{value}"'
+              for i, (name, unit, value) in enumerate(launches)]
     path.write_text("\n".join(lines) + "\n")
 
 
-def test_profile_kernel_table(tmp_path):
-    configs = [{"format": "Q8_0", "shape": "attn_a", "T": 1, "bytes": 4_000_000},
-               {"format": "Q8_0", "shape": "attn_a", "T": 4, "bytes": 4_000_000}]
+def profile_table(tmp_path: Path, configs: dict, launches: list[tuple[str, str, str]], *flags: str):
+    """profile_kernel.py --table_from on a hand-made configs file and ncu log: the process."""
     (tmp_path / "c.json").write_text(json.dumps(configs))
-    # two launches per call, the second is the measured one: 2 us (as ns, with a thousands separator), then 5 us
-    write_ncu_csv(tmp_path / "d.csv", [("usecond", "9.0"), ("nsecond", "2,000"), ("usecond", "9.0"), ("usecond", "5.0")])
-    proc = run_script("profile_kernel.py", f"--table_from={tmp_path / 'd.csv'}", f"--configs_in={tmp_path / 'c.json'}",
-                      "--copy_gbps=4000")
+    write_ncu_csv(tmp_path / "d.csv", launches)
+    return run_script("profile_kernel.py", f"--table_from={tmp_path / 'd.csv'}",
+                      f"--configs_in={tmp_path / 'c.json'}", *flags)
+
+
+CALLS = [{"format": "Q8_0", "shape": "attn_a", "T": 1, "bytes": 4_000_000},
+         {"format": "Q8_0", "shape": "attn_a", "T": 4, "bytes": 4_000_000}]
+# two launches per call, the second is the measured one: 2 us (as ns, with a thousands separator), then 5 us
+CALL_LAUNCHES = [("qmatmul_kernel", "usecond", "9.0"), ("qmatmul_kernel", "nsecond", "2,000"),
+                 ("qmatmul_kernel", "usecond", "9.0"), ("qmatmul_kernel", "usecond", "5.0")]
+TABLE = [["Q8_0", "attn_a", "1", "2.0", "2000", "50%", "1.00"], ["Q8_0", "attn_a", "4", "5.0", "800", "20%", "2.50"]]
+
+
+def test_profile_kernel_table_with_a_given_copy_bandwidth(tmp_path):
+    proc = profile_table(tmp_path, {"calls": CALLS, "copy_bytes": 0}, CALL_LAUNCHES, "--copy_gbps=4000")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = [line.split() for line in proc.stdout.splitlines() if line.startswith("Q8_0")]
-    assert rows == [["Q8_0", "attn_a", "1", "2.0", "2000", "50%", "1.00"],
-                    ["Q8_0", "attn_a", "4", "5.0", "800", "20%", "2.50"]]
+    assert [line.split() for line in proc.stdout.splitlines() if line.startswith("Q8_0")] == TABLE
+
+
+def test_profile_kernel_table_takes_the_faster_profiled_copy(tmp_path):
+    # an unrelated kernel first (ignored), then the two copy launches of 8 MB: 2.5 us and 2.0 us -> 4000 GB/s
+    launches = [("loop_add_fusion", "usecond", "1.0")] + CALL_LAUNCHES + [
+        ("loop_add_fusion", "usecond", "2.5"), ("loop_add_fusion", "usecond", "2.0")]
+    proc = profile_table(tmp_path, {"calls": CALLS, "copy_bytes": 8_000_000}, launches)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "4000 GB/s" in proc.stdout
+    assert [line.split() for line in proc.stdout.splitlines() if line.startswith("Q8_0")] == TABLE
 
 
 def test_profile_kernel_table_rejects_a_short_log(tmp_path):
-    (tmp_path / "c.json").write_text(json.dumps([{"format": "Q8_0", "shape": "attn_a", "T": 1, "bytes": 1}]))
-    write_ncu_csv(tmp_path / "d.csv", [("usecond", "1.0")])
-    proc = run_script("profile_kernel.py", f"--table_from={tmp_path / 'd.csv'}", f"--configs_in={tmp_path / 'c.json'}",
-                      "--copy_gbps=1")
+    proc = profile_table(tmp_path, {"calls": CALLS[:1], "copy_bytes": 0}, CALL_LAUNCHES[:1], "--copy_gbps=1")
     assert proc.returncode != 0 and "1 profiled launches, expected 2 per call" in proc.stderr + proc.stdout
+
+
+def test_profile_kernel_table_needs_a_copy_bandwidth(tmp_path):
+    proc = profile_table(tmp_path, {"calls": CALLS, "copy_bytes": 0}, CALL_LAUNCHES)
+    assert proc.returncode != 0 and "no copy launches profiled" in proc.stderr + proc.stdout
 
 
 if __name__ == "__main__":
