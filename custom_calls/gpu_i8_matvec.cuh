@@ -530,16 +530,18 @@ inline int copy_width(const uint8_t* w, int64_t row_bytes, int chunk_bytes) {
 }
 
 // Token slots a CTA can stage next to `fixed_smem` bytes of shared memory, at most kMaxCols and `wanted` (0:
-// not even one token's activations fit, the call takes the float path). With `share_sm`, as many as still
-// let two CTAs share an SM (each SM reserves 1 KB per CTA; 1 KB of static shared memory per CTA) when at
-// least one does: for the MoE kernel, whose passes hold the tokens of one expert, one in a decode step, so
-// eight reserved slots (100 KB at K = 4096) would only halve the occupancy (docs/PERFORMANCE.md, run 4: one
-// CTA of 8 warps per SM at 195 KB).
-inline int token_slots(int64_t K, int64_t wanted, int fixed_smem, bool share_sm) {
+// not even one token's activations fit, the call takes the float path): as many as still let two CTAs share
+// an SM (each SM reserves 1 KB per CTA; 1 KB of static shared memory per CTA) when at least one does, else
+// as many as fit one CTA. One CTA of 8 warps per SM cannot hide the latency of this kernel's loop: the MoE
+// kernel at 195 KB per CTA ran at 12.5% occupancy (docs/PERFORMANCE.md, run 4), and dense calls with wide
+// tokens ran up to 1.5x slower with more slots per CTA than with more CTAs per SM each serving fewer tokens
+// (run 6: Q8_0 8192 -> 4096 at T = 8, 83.0 us with 6 slots, 55.4 us with 2; the tiles read the same rows at
+// about the same time, so the weights still come from DRAM about once).
+inline int token_slots(int64_t K, int64_t wanted, int fixed_smem) {
   const auto fit = [&](int64_t room) {
     return std::max<int64_t>(0, std::min<int64_t>({kMaxCols, wanted, (room - fixed_smem) / x_token_bytes(K)}));
   };
-  const int64_t shared = share_sm ? fit(smem_per_sm() / 2 - 2 * 1024) : 0;
+  const int64_t shared = fit(smem_per_sm() / 2 - 2 * 1024);
   return (int)(shared > 0 ? shared : fit(smem_optin() - 1024));
 }
 
@@ -568,7 +570,7 @@ bool launch_qmatmul(gpuStream_t stream, const QDims& d, const uint8_t* w, const 
   bool launched = false;
   if (a.copy_bytes == 0) return launched;
   visit_rows<kMaxRows<Fmt>>(pick_rows(d.N), [&](auto rc) {
-    const int slots = token_slots(d.K, d.T, kFixedSmemBytes<Fmt, decltype(rc)::value>, false);
+    const int slots = token_slots(d.K, d.T, kFixedSmemBytes<Fmt, decltype(rc)::value>);
     if (slots == 0) return;
     const unsigned tiles = (unsigned)((d.T + slots - 1) / slots);
     visit_cols(slots, [&](auto nc) {
@@ -592,7 +594,7 @@ bool launch_qmatmul_id(gpuStream_t stream, const QDims& d, const uint8_t* w, con
   // second CTA per SM (docs/kernels.md has the budget). Token slots: as many as tokens
   // (an expert is chosen at most once per token unless ids repeat), as far as two CTAs still share an SM.
   visit_rows<2>(pick_rows(d.N * std::min(P, kMaxCols)), [&](auto rc) {
-    const int slots = token_slots(d.K, d.T, kFixedSmemBytes<Fmt, decltype(rc)::value>, true);
+    const int slots = token_slots(d.K, d.T, kFixedSmemBytes<Fmt, decltype(rc)::value>);
     if (slots == 0) return;
     // Slots beyond the first of each expert exit at once; with distinct experts per token about min(P, 8)
     // slots' CTAs run at a time.
