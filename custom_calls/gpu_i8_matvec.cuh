@@ -21,7 +21,7 @@
 // kStages-1 items ahead, across group boundaries. IQ2_XXS grid and sign tables live in shared memory,
 // replicated per lane of a half-warp so random lookups never conflict. The L1/TEX pipe was the busiest unit
 // in an earlier profile, so every layout below is chosen for conflict-free 16-byte (activations) or 8-byte
-// (tables) loads; the next limit measured is occupancy, set by shared memory per CTA (docs/PERFORMANCE.md).
+// (tables) loads: fewer table copies for more CTAs per SM measured slower (docs/kernels.md has the limits).
 
 namespace i8 {
 
@@ -67,8 +67,8 @@ __device__ __forceinline__ int block_exponent(uint32_t m) {
   return m >= 0x00800000u ? (int)(m >> 23) - 126 : -117 - __clz((int)m);
 }
 
-// 2^n as a float: for -126 <= n <= 127 (normal), and for any n >= -149 (subnormal below -126, 0 below -149:
-// ldexpf(1, n) exactly).
+// 2^n as a float from its bits: pow2_normal for -126 <= n <= 127; exp2_int for any n >= -149 (subnormal below
+// -126) and 0 below, which is ldexpf(1, n) exactly.
 __device__ __forceinline__ float pow2_normal(int n) { return __uint_as_float((uint32_t)(n + 127) << 23); }
 __device__ __forceinline__ float exp2_int(int n) {
   return n >= -126 ? pow2_normal(n) : __uint_as_float(n >= -149 ? 1u << (n + 149) : 0u);
