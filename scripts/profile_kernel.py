@@ -49,6 +49,8 @@ flags.DEFINE_string("configs_in", None, "with --table_from: the --configs_out fi
 flags.DEFINE_float("copy_gbps", None, "with --table_from: device copy bandwidth (GB/s) for the % column "
                    "(default: from the run's copy launches: after its calls the run copies a --copy_mib buffer "
                    "twice, b + 1.0 on float32, so that the same profiler times the copy)")
+flags.DEFINE_list("copy_sizes_mb", [], "after the bandwidth copy, copies moving these many MB (read + write) twice "
+                  "each: what a kernel of a call's size costs at least (launch, ramp and DRAM latency included)")
 
 
 def run_call(ggml_type: GGMLType, shape: str, t_rows: int) -> int:
@@ -63,9 +65,10 @@ def run_call(ggml_type: GGMLType, shape: str, t_rows: int) -> int:
     return weight_bytes(w, ids)
 
 
-def run_copy(mib: int) -> int:
-    """Copies a `mib` MiB float32 buffer twice (one kernel each); returns the bytes each copy moves (read + write)."""
-    buf = jnp.zeros(((mib << 20) // 4,), jnp.float32)
+def run_copy(nbytes: int) -> int:
+    """Copies a float32 buffer of `nbytes` bytes twice (one kernel each); returns the bytes each copy moves
+    (read + write)."""
+    buf = jnp.zeros((nbytes // 4,), jnp.float32)
     copy = jax.jit(lambda b: b + 1.0)
     for _ in range(2):
         jax.block_until_ready(copy(buf))
@@ -82,9 +85,10 @@ def read_durations(durations_csv: str) -> list[tuple[str, float]]:
 
 
 def print_table(durations_csv: str, configs_json: str, copy_gbps: float | None) -> None:
-    """Durations of the second launch of each call, GB/s, % of copy bandwidth and time(T) / time(T=1). The
-    copy bandwidth is `copy_gbps` or, when None, that of the faster of the run's two copy launches (the last
-    two profiled launches that are not a matmul)."""
+    """Durations of the second launch of each call, GB/s, % of copy bandwidth and time(T) / time(T=1), after
+    the copies' durations. The copy launches are the last profiled launches that are not a matmul: two of
+    the bandwidth copy, then two per size probe. The copy bandwidth is `copy_gbps` or, when None, that of the
+    faster bandwidth-copy launch."""
     launches = read_durations(durations_csv)
     with open(configs_json) as f:
         configs = json.load(f)
@@ -92,14 +96,27 @@ def print_table(durations_csv: str, configs_json: str, copy_gbps: float | None) 
     if len(calls) != 2 * len(configs["calls"]):
         raise SystemExit(f"{durations_csv}: {len(calls)} profiled launches, expected 2 per call "
                          f"({len(configs['calls'])} calls)")
-    if copy_gbps is None:
-        copies = [us for name, us in launches if "qmatmul" not in name][-2:]
-        if len(copies) < 2 or not configs.get("copy_bytes"):
-            raise SystemExit(f"{durations_csv}: no copy launches profiled (run with --copy_mib and an ncu kernel "
-                             "filter that takes the copy), or pass --copy_gbps")
-        copy_gbps = configs["copy_bytes"] / min(copies) / 1e3
+    probes = configs.get("copy_sizes", [])
+    n_copies = 2 * (bool(configs.get("copy_bytes")) + len(probes))
+    copies = [us for name, us in launches if "qmatmul" not in name][-n_copies:] if n_copies else []
+    if len(copies) < n_copies:
+        if copy_gbps is None or probes:
+            raise SystemExit(f"{durations_csv}: {len(copies)} copy launches profiled, expected {n_copies} (run "
+                             "with an ncu kernel filter that takes the copies, or pass --copy_gbps)")
+        copies = []  # the given bandwidth stands in for the copy the profiler left out
+    if copies and configs.get("copy_bytes"):
+        measured = configs["copy_bytes"] / min(copies[:2]) / 1e3
         print(f"device copy bandwidth (kernel duration, read + write of {configs['copy_bytes'] / 2**21:.0f} MiB): "
-              f"{copy_gbps:.0f} GB/s")
+              f"{measured:.0f} GB/s")
+        copy_gbps = copy_gbps or measured
+        copies = copies[2:]
+    if copy_gbps is None:
+        raise SystemExit(f"{durations_csv}: no copy launches profiled (run with --copy_mib and an ncu kernel "
+                         "filter that takes the copy), or pass --copy_gbps")
+    for i, nbytes in enumerate(probes):
+        us = min(copies[2 * i:2 * i + 2])
+        print(f"copy of {nbytes / 1e6:.1f} MB (read + write): {us:.1f} us, {nbytes / us / 1e3:.0f} GB/s "
+              f"({100 * nbytes / us / 1e3 / copy_gbps:.0f}% of the copy bandwidth)")
     print(f"{'format':8s} {'shape':11s} {'T':>2s} {'us':>8s} {'GB/s':>7s} {'%copy':>6s} {'T/T1':>5s}")
     base = {}
     for c, us in zip(configs["calls"], calls[1::2]):
@@ -121,12 +138,14 @@ def main(argv: list[str]) -> None:
             for t_rows in map(int, FLAGS.t_rows):
                 moved = run_call(GGMLType[fmt], shape, t_rows)
                 configs.append({"format": fmt, "shape": shape, "T": t_rows, "bytes": moved})
-    copy_bytes = run_copy(FLAGS.copy_mib) if FLAGS.copy_mib else 0
+    copy_bytes = run_copy(FLAGS.copy_mib << 20) if FLAGS.copy_mib else 0
+    copy_sizes = [run_copy(int(float(mb) * 1e6 / 2) // 4 * 4) for mb in FLAGS.copy_sizes_mb]
     print(f"ran {len(configs)} calls twice each on {jax.devices()[0].device_kind}"
-          + (f", then a {FLAGS.copy_mib} MiB copy twice" if copy_bytes else ""))
+          + (f", then a {FLAGS.copy_mib} MiB copy twice" if copy_bytes else "")
+          + (f", then copies of {', '.join(FLAGS.copy_sizes_mb)} MB twice each" if copy_sizes else ""))
     if FLAGS.configs_out:
         with open(FLAGS.configs_out, "w") as f:
-            json.dump({"calls": configs, "copy_bytes": copy_bytes}, f, indent=1)
+            json.dump({"calls": configs, "copy_bytes": copy_bytes, "copy_sizes": copy_sizes}, f, indent=1)
 
 
 if __name__ == "__main__":

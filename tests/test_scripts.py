@@ -34,6 +34,17 @@ def test_bench_kernels_rows(tmp_path):
     assert all({"us", "gbps", "frac_copy", "ratio_vs_T1"} <= r.keys() for r in rows)  # timings: not checked on CPU
 
 
+def test_profile_kernel_records_its_calls_and_copies(tmp_path):
+    out = tmp_path / "c.json"
+    proc = run_script("profile_kernel.py", "--formats=Q8_0", "--shapes=attn_a", "--t_rows=1,2", "--copy_mib=1",
+                      "--copy_sizes_mb=0.5", f"--configs_out={out}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    configs = json.loads(out.read_text())
+    assert [(c["shape"], c["T"], c["bytes"]) for c in configs["calls"]] == [("attn_a", t, 1024 * 4096 // 32 * 34)
+                                                                          for t in (1, 2)]
+    assert configs["copy_bytes"] == 2 << 20 and configs["copy_sizes"] == [500_000]
+
+
 def write_ncu_csv(path: Path, launches: list[tuple[str, str, str]]) -> None:
     """An ncu `--csv --metrics gpu__time_duration.sum` log: tool lines, a header, one row per launch
     (kernel name, unit, value)."""
@@ -65,14 +76,25 @@ def test_profile_kernel_table_with_a_given_copy_bandwidth(tmp_path):
     assert [line.split() for line in proc.stdout.splitlines() if line.startswith("Q8_0")] == TABLE
 
 
-def test_profile_kernel_table_takes_the_faster_profiled_copy(tmp_path):
-    # an unrelated kernel first (ignored), then the two copy launches of 8 MB: 2.5 us and 2.0 us -> 4000 GB/s
+def test_profile_kernel_table_takes_the_faster_profiled_copies(tmp_path):
+    # an unrelated kernel first (ignored), the two bandwidth-copy launches of 8 MB: 2.5 us and 2.0 us -> 4000
+    # GB/s, then the two launches of a 4 MB size probe: 3.5 and 3.2 us -> 1250 GB/s, 31% of 4000
     launches = [("loop_add_fusion", "usecond", "1.0")] + CALL_LAUNCHES + [
-        ("loop_add_fusion", "usecond", "2.5"), ("loop_add_fusion", "usecond", "2.0")]
-    proc = profile_table(tmp_path, {"calls": CALLS, "copy_bytes": 8_000_000}, launches)
+        ("loop_add_fusion", "usecond", "2.5"), ("loop_add_fusion", "usecond", "2.0"),
+        ("loop_add_fusion", "usecond", "3.5"), ("loop_add_fusion", "usecond", "3.2")]
+    configs = {"calls": CALLS, "copy_bytes": 8_000_000, "copy_sizes": [4_000_000]}
+    proc = profile_table(tmp_path, configs, launches)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "4000 GB/s" in proc.stdout
+    assert "copy of 4.0 MB (read + write): 3.2 us, 1250 GB/s (31% of the copy bandwidth)" in proc.stdout
     assert [line.split() for line in proc.stdout.splitlines() if line.startswith("Q8_0")] == TABLE
+
+
+def test_profile_kernel_table_rejects_missing_probe_copies(tmp_path):
+    configs = {"calls": CALLS, "copy_bytes": 8_000_000, "copy_sizes": [4_000_000]}
+    launches = CALL_LAUNCHES + [("loop_add_fusion", "usecond", "2.5"), ("loop_add_fusion", "usecond", "2.0")]
+    proc = profile_table(tmp_path, configs, launches, "--copy_gbps=4000")
+    assert proc.returncode != 0 and "2 copy launches profiled, expected 4" in proc.stderr + proc.stdout
 
 
 def test_profile_kernel_table_rejects_a_short_log(tmp_path):
@@ -83,6 +105,12 @@ def test_profile_kernel_table_rejects_a_short_log(tmp_path):
 def test_profile_kernel_table_needs_a_copy_bandwidth(tmp_path):
     proc = profile_table(tmp_path, {"calls": CALLS, "copy_bytes": 0}, CALL_LAUNCHES)
     assert proc.returncode != 0 and "no copy launches profiled" in proc.stderr + proc.stdout
+    # a copy the profiler left out (a kernel filter without it) needs --copy_gbps too
+    proc = profile_table(tmp_path, {"calls": CALLS, "copy_bytes": 8_000_000}, CALL_LAUNCHES)
+    assert proc.returncode != 0 and "0 copy launches profiled, expected 2" in proc.stderr + proc.stdout
+    proc = profile_table(tmp_path, {"calls": CALLS, "copy_bytes": 8_000_000}, CALL_LAUNCHES, "--copy_gbps=4000")
+    assert proc.returncode == 0 and [line.split() for line in proc.stdout.splitlines()
+                                     if line.startswith("Q8_0")] == TABLE
 
 
 if __name__ == "__main__":
