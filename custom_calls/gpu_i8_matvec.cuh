@@ -591,8 +591,8 @@ bool launch_qmatmul_id(gpuStream_t stream, const QDims& d, const uint8_t* w, con
   bool launched = false;
   if (a.copy_bytes == 0) return launched;
   // At most two rows per group: with four, the copy rings and one token's activations leave no room for a
-  // second CTA per SM (docs/kernels.md has the budget). Token slots: as many as tokens
-  // (an expert is chosen at most once per token unless ids repeat), as far as two CTAs still share an SM.
+  // second CTA per SM (docs/kernels.md has the budget). Token slots: at most T, since an expert is chosen at
+  // most once per token unless ids repeat.
   visit_rows<2>(pick_rows(d.N * std::min(P, kMaxCols)), [&](auto rc) {
     const int slots = token_slots(d.K, d.T, kFixedSmemBytes<Fmt, decltype(rc)::value>);
     if (slots == 0) return;

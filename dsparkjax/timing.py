@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import statistics
 import time
 from typing import Any, Callable
 
@@ -21,15 +20,17 @@ def run_seconds(fn: Callable[..., Any], *args: Any, reps: int) -> list[float]:
     return times
 
 
-def median_seconds(fn: Callable[..., Any], *args: Any, reps: int) -> float:
-    """Median of `run_seconds`."""
-    return statistics.median(run_seconds(fn, *args, reps=reps))
-
-
 def min_seconds(fn: Callable[..., Any], *args: Any, reps: int) -> float:
     """Fastest of `run_seconds`: the estimate of what the device can do, for ceilings (clock ramps and host
     hiccups only ever add time)."""
     return min(run_seconds(fn, *args, reps=reps))
+
+
+@jax.jit
+def device_copy(buf: jax.Array) -> jax.Array:
+    """`buf + 1`: one kernel that reads and writes every byte of float32 `buf` (XLA's loop_add_fusion), the
+    copy that the bandwidth probes time."""
+    return buf + 1.0
 
 
 def copy_bandwidth(mib: int = 1024, reps: int = 10) -> float:
@@ -41,7 +42,7 @@ def copy_bandwidth(mib: int = 1024, reps: int = 10) -> float:
     moved between 3588 and 4484 GB/s from run to run (docs/PERFORMANCE.md, run 6)."""
     n = (mib << 20) // 4
     bufs = [jnp.full((n,), float(i), jnp.float32) for i in range(8)]
-    copies = jax.jit(lambda bs: [b + 1.0 for b in bs])
+    copies = jax.jit(lambda bs: [device_copy(b) for b in bs])
     return 2 * bufs[0].nbytes / seconds_per_call(lambda m: copies, lambda m: (bufs[:m],), 4, reps)
 
 

@@ -39,6 +39,7 @@ from bench_kernels import (  # scripts/ is on sys.path
 
 from dsparkjax.formats import GGMLType
 from dsparkjax.kernels import synthetic
+from dsparkjax.timing import device_copy
 
 FLAGS = flags.FLAGS
 # --formats and --shapes are bench_kernels.py's flags.
@@ -48,7 +49,7 @@ flags.DEFINE_string("table_from", None, "instead of running: an ncu --csv log of
 flags.DEFINE_string("configs_in", None, "with --table_from: the --configs_out file of the profiled run")
 flags.DEFINE_float("copy_gbps", None, "with --table_from: device copy bandwidth (GB/s) for the % column "
                    "(default: from the run's copy launches: after its calls the run copies a --copy_mib buffer "
-                   "twice, b + 1.0 on float32, so that the same profiler times the copy)")
+                   "twice (timing.device_copy), so that the same profiler times the copy)")
 flags.DEFINE_list("copy_sizes_mb", [], "after the bandwidth copy, copies moving these many MB (read + write) twice "
                   "each: what a kernel of a call's size costs at least (launch, ramp and DRAM latency included)")
 
@@ -69,9 +70,8 @@ def run_copy(nbytes: int) -> int:
     """Copies a float32 buffer of `nbytes` bytes twice (one kernel each); returns the bytes each copy moves
     (read + write)."""
     buf = jnp.zeros((nbytes // 4,), jnp.float32)
-    copy = jax.jit(lambda b: b + 1.0)
     for _ in range(2):
-        jax.block_until_ready(copy(buf))
+        jax.block_until_ready(device_copy(buf))
     return 2 * buf.nbytes
 
 
