@@ -18,10 +18,10 @@
 // Layout: each warp owns groups of R rows (R = 1, 2, 4 per call) over the whole of K, taken in a
 // grid-stride loop; a group's K is cut into chunks of 2048 weights (64 sub-blocks, two per lane). The warp
 // streams (group, chunk) items through a ring of kStages shared-memory stages with asynchronous copies,
-// kStages-1 items ahead, across group boundaries. IQ2_XXS grid and sign tables live in shared memory,
-// replicated per lane of a half-warp so random lookups never conflict. The L1/TEX pipe was the busiest unit
-// in an earlier profile, so every layout below is chosen for conflict-free 16-byte (activations) or 8-byte
-// (tables) loads: fewer table copies for more CTAs per SM measured slower (docs/kernels.md has the limits).
+// kStages-1 items ahead, across group boundaries. IQ2_XXS selector tables live in shared memory,
+// replicated per lane of a half-warp so random lookups take at most two wavefronts. The L1/TEX pipe was the
+// busiest unit in an earlier profile, so every layout below is chosen for conflict-free 16-byte (activations)
+// or 4-byte (tables) loads: fewer table copies measured slower (docs/kernels.md has the limits).
 
 namespace i8 {
 
@@ -150,14 +150,19 @@ __device__ __forceinline__ XView stage_x(const XSource& src) {
 }
 
 // ---- sub-block decoders: 32 weights of a staged chunk as 8 words of int8, and the sub-block's scale ----
-// IQ2_XXS tables, replicated 16 times (copy = lane % 16, 8-byte entries, so a half-warp's lookups hit distinct
-// banks): grid[256][16] uint2 magnitudes (bytes 8, 25 or 43) at byte 0, sign[128][16] uint2 byte masks (0xFF
-// for a negative weight) at byte kGridBytes of the tables.
-constexpr int kGridBytes = 256 * 16 * 8;
-constexpr int kSignBytes = 128 * 16 * 8;
+// IQ2_XXS decodes 8 weights with two byte permutes: byte k of the result is byte c_k of the pool
+// {8, 25, 43, -8, -25, -43} where c_k = grid code (0, 1, 2 for the magnitudes 8, 25, 43) + 3 · sign bit. The
+// selector nibbles c_0..c_7 are the sum of two table words, one per grid index (its codes) and one per stored
+// sign pattern (3 where a weight is negative). Both tables are replicated 16 times (copy = lane % 16, 4-byte
+// entries: a warp's lookups take at most two shared-memory wavefronts): grid[256][16] at byte 0,
+// sign[128][16] at byte kGridBytes.
+constexpr int kGridBytes = 256 * 16 * 4;
+constexpr int kSignBytes = 128 * 16 * 4;
+constexpr uint32_t kPoolLo = 0xF82B1908u;  // bytes 8, 25, 43, -8
+constexpr uint32_t kPoolHi = 0x0000D5E7u;  // bytes -25, -43
 
 struct Tables {
-  const uint8_t* base;  // the tables, plus this lane's copy offset (lane % 16) * 8
+  const uint8_t* base;  // the tables, plus this lane's copy offset (lane % 16) * 4
 };
 
 template <class Fmt>
@@ -195,57 +200,59 @@ struct Sub<FmtIQ2_XXS> {  // half d @0; 8 x (u8 grid index[4], u32 signs|scale) 
     const float d = __half2float(__ushort_as_half(*reinterpret_cast<const uint16_t*>(chunk + blk)));
 #pragma unroll
     for (int l = 0; l < 4; ++l) {
-      // byte offsets of entry (index · 16 + copy) · 8: the index lands in bits 7.. of the offset.
-      const uint32_t g_at = (l == 0 ? idx << 7 : idx >> (8 * l - 7)) & 0x7F80u;
-      const uint32_t s_at = (l == 0 ? a1 << 7 : a1 >> (7 * l - 7)) & 0x3F80u;
-      const uint2 g = *reinterpret_cast<const uint2*>(tab.base + g_at);
-      const uint2 m = *reinterpret_cast<const uint2*>(tab.base + kGridBytes + s_at);
-      // a negative byte g becomes (g ^ 0xFF) + 1 = -g; g <= 43, so the + 1 never carries into the next byte.
-      q[2 * l] = (g.x ^ m.x) + (m.x & 0x01010101u);
-      q[2 * l + 1] = (g.y ^ m.y) + (m.y & 0x01010101u);
+      // byte offsets of entry (index · 16 + copy) · 4: the index lands in bits 6.. of the offset.
+      const uint32_t g_at = (l == 0 ? idx << 6 : idx >> (8 * l - 6)) & 0x3FC0u;
+      const uint32_t s_at = (l == 0 ? a1 << 6 : a1 >> (7 * l - 6)) & 0x1FC0u;
+      // nibbles at most 2 + 3: the sum never carries into the next nibble
+      const uint32_t sel = *reinterpret_cast<const uint32_t*>(tab.base + g_at) +
+                           *reinterpret_cast<const uint32_t*>(tab.base + kGridBytes + s_at);
+      q[2 * l] = __byte_perm(kPoolLo, kPoolHi, sel);  // reads selector bits 0..15
+      q[2 * l + 1] = __byte_perm(kPoolLo, kPoolHi, sel >> 16);
     }
     return __fmul_rn(__fmul_rn(d, __fadd_rn(0.5f, (float)(a1 >> 28))), 0.25f);
   }
 };
 
-// Sign masks of the 128 stored sign patterns: byte j is 0xFF where bit j of iq2_sign_byte(i) is set.
-struct SignMasks {
-  uint64_t m[128];
+// Selector words of the IQ2_XXS tables: nibble k of grid word i is the code of byte k of grid entry i (its
+// magnitude 8, 25 or 43 as 0, 1, 2); nibble k of sign word i is 3 where bit k of iq2_sign_byte(i) is set.
+struct Iq2Selectors {
+  uint32_t grid[256], sign[128];
 };
-constexpr SignMasks make_sign_masks() {
-  SignMasks s{};
-  for (uint32_t i = 0; i < 128; ++i) {
-    const uint32_t bits = iq2_sign_byte(i);
-    for (int j = 0; j < 8; ++j)
-      if ((bits >> j) & 1u) s.m[i] |= uint64_t{0xFF} << (8 * j);
-  }
-  return s;
+constexpr Iq2Selectors make_iq2_selectors() {
+  constexpr uint64_t kGrid[256] = {DSPARK_IQ2XXS_GRID_VALUES};
+  Iq2Selectors t{};
+  for (int i = 0; i < 256; ++i)
+    for (int k = 0; k < 8; ++k) {
+      const uint32_t m = (uint32_t)(kGrid[i] >> (8 * k)) & 0xFFu;
+      t.grid[i] |= (m == 8 ? 0u : m == 25 ? 1u : 2u) << (4 * k);
+    }
+  for (uint32_t i = 0; i < 128; ++i)
+    for (int k = 0; k < 8; ++k)
+      if ((iq2_sign_byte(i) >> k) & 1u) t.sign[i] |= 3u << (4 * k);
+  return t;
 }
-__device__ const SignMasks kIq2SignMasksDevice = make_sign_masks();
+__device__ const Iq2Selectors kIq2SelectorsDevice = make_iq2_selectors();
 
 // Fills the replicated tables from the device's constant arrays: every load first (one global round trip),
-// then the stores, each 16 bytes (two copies of one entry).
+// then the stores, each 16 bytes (four copies of one entry).
 template <class Fmt>
 __device__ Tables init_tables(uint8_t* smem) {
   if constexpr (Sub<Fmt>::kTableBytes > 0) {
-    constexpr int kGridPer = 256 * 8 / kThreads, kSignPer = 128 * 8 / kThreads;  // 16-byte stores per thread
-    uint64_t g[kGridPer], m[kSignPer];
+    constexpr int kGridPer = 256 * 4 / kThreads, kSignPer = 128 * 4 / kThreads;  // 16-byte stores per thread
+    uint32_t g[kGridPer], m[kSignPer];
 #pragma unroll
-    for (int j = 0; j < kGridPer; ++j) g[j] = kIq2xxsGridDevice[(threadIdx.x + j * kThreads) >> 3];
+    for (int j = 0; j < kGridPer; ++j) g[j] = kIq2SelectorsDevice.grid[(threadIdx.x + j * kThreads) >> 2];
 #pragma unroll
-    for (int j = 0; j < kSignPer; ++j) m[j] = kIq2SignMasksDevice.m[(threadIdx.x + j * kThreads) >> 3];
-    const auto twice = [](uint64_t e) {
-      return make_uint4((uint32_t)e, (uint32_t)(e >> 32), (uint32_t)e, (uint32_t)(e >> 32));
-    };
+    for (int j = 0; j < kSignPer; ++j) m[j] = kIq2SelectorsDevice.sign[(threadIdx.x + j * kThreads) >> 2];
     uint4* grid = reinterpret_cast<uint4*>(smem);
     uint4* sign = reinterpret_cast<uint4*>(smem + kGridBytes);
 #pragma unroll
-    for (int j = 0; j < kGridPer; ++j) grid[threadIdx.x + j * kThreads] = twice(g[j]);
+    for (int j = 0; j < kGridPer; ++j) grid[threadIdx.x + j * kThreads] = make_uint4(g[j], g[j], g[j], g[j]);
 #pragma unroll
-    for (int j = 0; j < kSignPer; ++j) sign[threadIdx.x + j * kThreads] = twice(m[j]);
+    for (int j = 0; j < kSignPer; ++j) sign[threadIdx.x + j * kThreads] = make_uint4(m[j], m[j], m[j], m[j]);
     __syncthreads();
   }
-  return Tables{smem + (threadIdx.x & 15) * 8};
+  return Tables{smem + (threadIdx.x & 15) * 4};
 }
 
 struct Args {
@@ -477,9 +484,15 @@ inline int sm_count() { return device_attribute<gpuDevAttrMultiProcessorCount>()
 inline int smem_optin() { return device_attribute<gpuDevAttrMaxSharedMemoryPerBlockOptin>(); }
 inline int smem_per_sm() { return device_attribute<gpuDevAttrMaxSharedMemoryPerMultiprocessor>(); }
 
-// Resident CTAs of a kernel with `smem` bytes of dynamic shared memory on the current device. The kernel's
-// shared-memory limit is raised once, and the occupancy is computed once per distinct `smem` (host-side calls
-// only, no stream work: capture-safe; cached because the handler runs on every call outside command buffers).
+// The CTAs per SM these kernels are laid out for (launch bounds, token_slots, pick_rows): a third CTA per SM,
+// where shared memory would allow it, measured slower (run 6: 20-30% on the IQ2_XXS expert shapes; run 7: with
+// smaller IQ2_XXS tables, 19% on grouped_o, its rows no longer split evenly across the warps).
+constexpr int kCtasPerSm = 2;
+
+// Resident CTAs of a kernel with `smem` bytes of dynamic shared memory on the current device, at most
+// kCtasPerSm per SM. The kernel's shared-memory limit is raised once, and the occupancy is computed once per
+// distinct `smem` (host-side calls only, no stream work: capture-safe; cached because the handler runs on
+// every call outside command buffers).
 template <auto kKernel>
 int resident_ctas(int smem) {
   static const bool raised = [] {
@@ -493,16 +506,16 @@ int resident_ctas(int smem) {
   if (smem != cached_smem) {
     int per_sm = 0;
     (void)gpuOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, kThreads, smem);
-    cached_ctas = sm_count() * std::max(per_sm, 1);
+    cached_ctas = sm_count() * std::clamp(per_sm, 1, kCtasPerSm);
     cached_smem = smem;
   }
   return cached_ctas;
 }
 
-// Rows per warp: the largest R <= 4 that still gives every resident warp (about two CTAs of kWarps per SM)
+// Rows per warp: the largest R <= 4 that still gives every resident warp (kCtasPerSm CTAs of kWarps per SM)
 // two groups of rows.
 inline int pick_rows(int64_t rows_total) {
-  const int64_t resident_warps = 2 * (int64_t)sm_count() * kWarps;
+  const int64_t resident_warps = kCtasPerSm * (int64_t)sm_count() * kWarps;
   int R = 4;
   while (R > 1 && rows_total / R < 2 * resident_warps) R /= 2;
   return R;
@@ -530,7 +543,7 @@ inline int copy_width(const uint8_t* w, int64_t row_bytes, int chunk_bytes) {
 }
 
 // Token slots a CTA can stage next to `fixed_smem` bytes of shared memory, at most kMaxCols and `wanted` (0:
-// not even one token's activations fit, the call takes the float path): as many as still let two CTAs share
+// not even one token's activations fit, the call takes the float path): as many as still let kCtasPerSm CTAs share
 // an SM (each SM reserves 1 KB per CTA; 1 KB of static shared memory per CTA) when at least one does, else
 // as many as fit one CTA. One CTA of 8 warps per SM cannot hide the latency of this kernel's loop: the MoE
 // kernel at 195 KB per CTA ran at 12.5% occupancy (docs/PERFORMANCE.md, run 4), and dense calls with wide
@@ -541,7 +554,7 @@ inline int token_slots(int64_t K, int64_t wanted, int fixed_smem) {
   const auto fit = [&](int64_t room) {
     return std::max<int64_t>(0, std::min<int64_t>({kMaxCols, wanted, (room - fixed_smem) / x_token_bytes(K)}));
   };
-  const int64_t shared = fit(smem_per_sm() / 2 - 2 * 1024);
+  const int64_t shared = fit(smem_per_sm() / kCtasPerSm - 2 * 1024);
   return (int)(shared > 0 ? shared : fit(smem_optin() - 1024));
 }
 
