@@ -325,6 +325,31 @@ __device__ __forceinline__ void sub_block(const XView& xv, int ncols, const uint
   }
 }
 
+// The warp sum of the N values v[0..N) of every lane, by the butterfly xor 16, 8, 4, 2, 1 (M is this step's
+// mask), transposed: while a lane holds more than one value, each step sends half of them to the partner lane
+// and keeps the sums of the other half, so R·NC outputs take about R·NC + 5 shuffles instead of 5·R·NC. Every
+// value still adds the same lanes in the same pairs (a + b == b + a in fp32), so each output has the plain
+// butterfly's bits, whatever N. Returns this lane's sum; `index` gains its position in v (lane bits 4, 3, ...).
+template <int N, int M = kLanes / 2>
+__device__ __forceinline__ float warp_sums(float* v, int lane, int& index) {
+  if constexpr (M == 0) {
+    return v[0];
+  } else if constexpr (N == 1) {
+    v[0] = __fadd_rn(v[0], gpu_shfl_xor(v[0], M));
+    return warp_sums<1, M / 2>(v, lane, index);
+  } else {
+    constexpr int H = N / 2;
+    const bool upper = (lane & M) != 0;
+#pragma unroll
+    for (int i = 0; i < H; ++i) {
+      const float send = upper ? v[i] : v[i + H], keep = upper ? v[i + H] : v[i];
+      v[i] = __fadd_rn(keep, gpu_shfl_xor(send, M));
+    }
+    if (upper) index += H;
+    return warp_sums<H, M / 2>(v, lane, index);
+  }
+}
+
 // Starts this lane's share of the asynchronous copy of R rows' chunks in V-byte pieces: `src` and `dst` point
 // at the lane's first piece (row r at src + rows[r] and dst + r · kRowStride), `len` is the chunk's length
 // from there; the lane copies every 32nd piece.
@@ -392,15 +417,13 @@ __device__ void warp_rows(const Args& a, const XSource& xs, const int* y_rows, i
       if (sb < nsub) sub_block<Fmt, NC, R>(xv, ncols, st, sub, sb, tab, acc);
     }
     if (at.chunk == nchunks - 1) {
-      const int64_t row0 = at.group * R;
-#pragma unroll
-      for (int r = 0; r < R; ++r)
-#pragma unroll
-        for (int t = 0; t < NC; ++t) {
-          float s = acc[r][t];
-          for (int m = kLanes / 2; m > 0; m >>= 1) s = __fadd_rn(s, gpu_shfl_xor(s, m));
-          if (lane == 0 && row0 + r < a.N && t < ncols) a.y[(int64_t)y_rows[t] * a.N + row0 + r] = s;
-        }
+      constexpr int V = R * NC;  // a power of two, at most kLanes: lanes that differ in bits below kLanes / V hold
+      static_assert(V <= kLanes && (V & (V - 1)) == 0, "one output per lane group");  // the same sum
+      int index = 0;
+      const float s = warp_sums<V>(&acc[0][0], lane, index);
+      const int64_t row = at.group * R + index / NC;
+      const int t = index % NC;
+      if ((lane & (kLanes / V - 1)) == 0 && row < a.N && t < ncols) a.y[(int64_t)y_rows[t] * a.N + row] = s;
     }
   }
   gpu_copy_wait<0>();
