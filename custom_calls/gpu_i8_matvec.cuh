@@ -417,8 +417,10 @@ __device__ void warp_rows(const Args& a, const XSource& xs, const int* y_rows, i
       if (sb < nsub) sub_block<Fmt, NC, R>(xv, ncols, st, sub, sb, tab, acc);
     }
     if (at.chunk == nchunks - 1) {
-      constexpr int V = R * NC;  // a power of two, at most kLanes: lanes that differ in bits below kLanes / V hold
-      static_assert(V <= kLanes && (V & (V - 1)) == 0, "one output per lane group");  // the same sum
+      // V outputs, a power of two <= kLanes: lanes that differ only in bits below kLanes / V end with the same
+      // sum, and the first of them stores it.
+      constexpr int V = R * NC;
+      static_assert(V <= kLanes && (V & (V - 1)) == 0, "one output per lane group");
       int index = 0;
       const float s = warp_sums<V>(&acc[0][0], lane, index);
       const int64_t row = at.group * R + index / NC;
