@@ -219,11 +219,10 @@ struct Iq2Selectors {
   uint32_t grid[256], sign[128];
 };
 constexpr Iq2Selectors make_iq2_selectors() {
-  constexpr uint64_t kGrid[256] = {DSPARK_IQ2XXS_GRID_VALUES};
   Iq2Selectors t{};
   for (int i = 0; i < 256; ++i)
     for (int k = 0; k < 8; ++k) {
-      const uint32_t m = (uint32_t)(kGrid[i] >> (8 * k)) & 0xFFu;
+      const uint32_t m = (uint32_t)(kIq2xxsGridHost[i] >> (8 * k)) & 0xFFu;
       t.grid[i] |= (m == 8 ? 0u : m == 25 ? 1u : 2u) << (4 * k);
     }
   for (uint32_t i = 0; i < 128; ++i)

@@ -64,7 +64,7 @@ struct FmtQ2_K {
 #if defined(__CUDACC__) || defined(__HIPCC__)
 __device__ const uint64_t kIq2xxsGridDevice[256] = {DSPARK_IQ2XXS_GRID_VALUES};
 #endif
-static const uint64_t kIq2xxsGridHost[256] = {DSPARK_IQ2XXS_GRID_VALUES};
+constexpr uint64_t kIq2xxsGridHost[256] = {DSPARK_IQ2XXS_GRID_VALUES};  // constexpr: device tables derive from it
 
 DSPARK_HD uint64_t iq2xxs_grid(int i) {
 #if DSPARK_DEVICE_PASS
