@@ -4,12 +4,13 @@
 // Q8_0 and IQ2_XXS, the formats of the published DS4 files, run on integer dot products against an int8-limb
 // form of the activations (gpu_i8_matvec.cuh): that path streams weights at memory speed. The other
 // formats, and the rare calls the integer path cannot take (rows not 4-byte aligned, or K so large that one
-// token's activations do not fit in shared memory), use the generic float path below: a CTA of kWarps warps owns kWarps/S rows; each warp serves one row and
-// one of S slices of K (S depends on K only). Per K chunk (1024 weights) a warp stages the row's chunk in
-// shared memory, then each lane decodes 4 groups of 8 weights (decode8 of quant_formats.h) and multiplies
-// them with up to 8 token columns. Each lane accumulates in a fixed order with explicit fp32 intrinsics, the
-// warp reduces with a fixed butterfly, and the S slice partials are added in slice order: an output's
-// arithmetic is the same whatever T, the token's position or the other tokens (batch invariance).
+// token's activations do not fit in shared memory), use the generic float path below: a CTA of kWarps warps
+// owns kWarps/S rows; each warp serves one row and one of S slices of K (S depends on K only). Per K chunk
+// (1024 weights) a warp stages the row's chunk in shared memory, then each lane decodes 4 groups of 8 weights
+// (decode8 of quant_formats.h) and multiplies them with up to 8 token columns. Each lane accumulates in a
+// fixed order with explicit fp32 intrinsics, the warp reduces with a fixed butterfly (warp_sums), and the S
+// slice partials are added in slice order: an output's arithmetic is the same whatever T, the token's
+// position or the other tokens (batch invariance).
 #include "gpu_vendor.h"  // first: the HIP runtime header defines __host__/__device__ for the shared headers
 
 #include <algorithm>
@@ -124,6 +125,31 @@ __device__ __forceinline__ int chunk_align(const uint8_t* w, int64_t row_bytes) 
   return 1;
 }
 
+// The warp sum of the N values v[0..N) of every lane, by the butterfly xor 16, 8, 4, 2, 1 (M is this step's
+// mask), transposed: while a lane holds more than one value, each step sends half of them to the partner lane
+// and keeps the sums of the other half, so N outputs take about N + 5 shuffles instead of 5·N. Every
+// value still adds the same lanes in the same pairs (a + b == b + a in fp32), so each output has the plain
+// butterfly's bits, whatever N. Returns this lane's sum; `index` gains its position in v (lane bits 4, 3, ...).
+template <int N, int M = kLanes / 2>
+__device__ __forceinline__ float warp_sums(float* v, int lane, int& index) {
+  if constexpr (M == 0) {
+    return v[0];
+  } else if constexpr (N == 1) {
+    v[0] = __fadd_rn(v[0], gpu_shfl_xor(v[0], M));
+    return warp_sums<1, M / 2>(v, lane, index);
+  } else {
+    constexpr int H = N / 2;
+    const bool upper = (lane & M) != 0;
+#pragma unroll
+    for (int i = 0; i < H; ++i) {
+      const float send = upper ? v[i] : v[i + H], keep = upper ? v[i + H] : v[i];
+      v[i] = __fadd_rn(keep, gpu_shfl_xor(send, M));
+    }
+    if (upper) index += H;
+    return warp_sums<H, M / 2>(v, lane, index);
+  }
+}
+
 // A CTA owns rows [row0, row0 + kWarps/S): warp v serves row row0 + v/S, K slice v%S (chunks v%S, v%S+S, ...).
 // Each lane accumulates its groups (chunk order, then group order, then the 8 weights) for each column in one
 // register; then a fixed butterfly over the lanes, then the S slice partials in slice order.
@@ -168,12 +194,9 @@ __device__ void rows_times_cols(const uint8_t* w, int64_t N, int64_t K, int64_t 
       }
     }
   }
-#pragma unroll
-  for (int c = 0; c < NC; ++c) {
-    float a = acc[c];
-    for (int m = kLanes / 2; m > 0; m >>= 1) a = __fadd_rn(a, gpu_shfl_xor(a, m));
-    if (lane == 0) partial[warp * kMaxCols + c] = a;
-  }
+  int c = 0;
+  const float sum = warp_sums<NC>(acc, lane, c);
+  if ((lane & (kLanes / NC - 1)) == 0) partial[warp * kMaxCols + c] = sum;
   __syncthreads();
   const int rows_cta = kWarps / S;
   if (threadIdx.x < rows_cta * cols.ncols) {

@@ -324,31 +324,6 @@ __device__ __forceinline__ void sub_block(const XView& xv, int ncols, const uint
   }
 }
 
-// The warp sum of the N values v[0..N) of every lane, by the butterfly xor 16, 8, 4, 2, 1 (M is this step's
-// mask), transposed: while a lane holds more than one value, each step sends half of them to the partner lane
-// and keeps the sums of the other half, so R·NC outputs take about R·NC + 5 shuffles instead of 5·R·NC. Every
-// value still adds the same lanes in the same pairs (a + b == b + a in fp32), so each output has the plain
-// butterfly's bits, whatever N. Returns this lane's sum; `index` gains its position in v (lane bits 4, 3, ...).
-template <int N, int M = kLanes / 2>
-__device__ __forceinline__ float warp_sums(float* v, int lane, int& index) {
-  if constexpr (M == 0) {
-    return v[0];
-  } else if constexpr (N == 1) {
-    v[0] = __fadd_rn(v[0], gpu_shfl_xor(v[0], M));
-    return warp_sums<1, M / 2>(v, lane, index);
-  } else {
-    constexpr int H = N / 2;
-    const bool upper = (lane & M) != 0;
-#pragma unroll
-    for (int i = 0; i < H; ++i) {
-      const float send = upper ? v[i] : v[i + H], keep = upper ? v[i + H] : v[i];
-      v[i] = __fadd_rn(keep, gpu_shfl_xor(send, M));
-    }
-    if (upper) index += H;
-    return warp_sums<H, M / 2>(v, lane, index);
-  }
-}
-
 // Starts this lane's share of the asynchronous copy of R rows' chunks in V-byte pieces: `src` and `dst` point
 // at the lane's first piece (row r at src + rows[r] and dst + r · kRowStride), `len` is the chunk's length
 // from there; the lane copies every 32nd piece.
