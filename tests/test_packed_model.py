@@ -16,6 +16,7 @@ import pytest
 
 from dsparkjax import kernels
 from dsparkjax.model.weights import PackedWeight
+from dsparkjax.spec import generate as generate_module
 from dsparkjax.spec.generate import generate
 from dsparkjax.spec.oracle import oracle_for
 from dsparkjax.spec.proposer import load_drafter
@@ -47,6 +48,22 @@ def test_auto_picks_packed_kernels_for_quantized_files():
     target_path, _ = rocmfpx_pair()
     assert load_target(target_path).kernels == kernels.default_backend()
     assert load_target(write_tiny_pair(tempfile.mkdtemp(), tokenizer=None)[0]).kernels == "dequantize"
+
+
+@needs_plugin
+def test_generation_compiles_the_targets_own_step(monkeypatch):
+    """Generation runs the step program forward() and the drafter use: on an "ffi" target the HC mixes go
+    through the mHC custom call there too (they once ran on the jnp path in generation only)."""
+    target_path, draft_path = rocmfpx_pair()
+    target = load_target(target_path, kernels="ffi")
+    drafter = load_drafter(draft_path, target)
+    seen = []
+    compiled_step = generate_module.compiled_step
+    monkeypatch.setattr(generate_module, "compiled_step",
+                        lambda cfg, options: seen.append(options) or compiled_step(cfg, options))
+    generate(target, [[3, 4, 5]], drafter=drafter, mode="ar", max_new_tokens=2, stop_tokens=())
+    assert seen == [target.options(drafter.capture_layers)]
+    assert seen[0].hc_kernel == "ffi"
 
 
 @needs_plugin

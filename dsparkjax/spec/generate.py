@@ -29,7 +29,6 @@ import numpy as np
 from dsparkjax.aot import AotFunction
 from dsparkjax.errors import DsparkError, TokenIdError
 from dsparkjax.model.state import commit, init_state
-from dsparkjax.model.target import StepOptions
 from dsparkjax.spec.proposer import Proposer
 from dsparkjax.spec.width import WidthPolicy, accepted_candidates
 from dsparkjax.target_api import Target, compiled_step
@@ -202,8 +201,8 @@ def generate(
                           f"context length {cfg.context_length} of {target.path}")
     # State capacity, rounded up to a power of two so that runs of similar sizes reuse compiled steps.
     max_len = 1 << max(6, (int(lengths.max()) + max_new_tokens + max_step).bit_length())
-    step = compiled_step(cfg, StepOptions(simulate_qat=target.simulate_qat,
-                                          capture_layers=drafter.capture_layers if drafter is not None else ()))
+    # The target's own step options (its HC backend included): the program forward() and the drafter use.
+    step = compiled_step(cfg, target.options(drafter.capture_layers if drafter is not None else ()))
     state = init_state(cfg, batch, max_len, max_step, target.dtype)
     proposer_state = proposer.init_state(batch, max_step) if proposer is not None else None
     widths = (exact_width,) if verify == "exact" else tuple(range(1, exact_width + 1))
