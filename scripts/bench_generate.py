@@ -2,8 +2,9 @@
 
     python scripts/bench_generate.py --config wide --dtype bfloat16 --prompts 64 --output bench.json
 
-Builds a random model (`tiny`, or `wide`: a DS4-shaped model with wider dims), writes it as GGUF and loads
-it back, then for the same random prompts measures:
+Builds a random model (`tiny`, or `wide`: a DS4-shaped model with wider dims), writes it as GGUF (float32,
+or quantized with `--recipe`: `published` is DS4's own types, run on the packed kernels as a real file is)
+and loads it back, then for the same random prompts measures:
 - plain decoding through the exact program (width 1 + block) and through the width-1 program (fast);
 - speculative decoding with an oracle proposer at a chosen acceptance rate (the drafter's quality is not
   what is measured here: the verify economics are), exact and fast, and with the random DSpark drafter;
@@ -26,6 +27,7 @@ from absl import app, flags, logging
 
 from dsparkjax.config import TargetConfig, tiny_drafter, tiny_target
 from dsparkjax.ggufio import write_model_gguf
+from dsparkjax.ggufio.writer import RECIPES
 from dsparkjax.spec.generate import Result, generate
 from dsparkjax.spec.oracle import oracle_for
 from dsparkjax.spec.proposer import load_drafter
@@ -35,6 +37,8 @@ from dsparkjax.tiny import tiny_pair
 
 _CONFIG = flags.DEFINE_enum("config", "wide", ["tiny", "wide"], "Random model shape.")
 _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["float32", "bfloat16"], "Compute dtype.")
+_RECIPE = flags.DEFINE_enum("recipe", "f32", list(RECIPES), "Quant recipe of the written GGUFs (f32: dense "
+                            "weights; others keep the quantized matrices packed on the FFI kernels).")
 _PROMPTS = flags.DEFINE_integer("prompts", 64, "Number of random prompts (one batch).")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 32, "Tokens per prompt.")
 _ACCEPT = flags.DEFINE_float("acceptance", 0.7, "Oracle proposer: fraction of correct candidates.")
@@ -52,12 +56,17 @@ def wide_target() -> TargetConfig:
         swiglu_limit=(10.0,) * layers, swiglu_limit_shared=(10.0,) * layers, context_length=8192)
 
 
+def nbytes(tree) -> int:
+    """Bytes of a weight or pytree of weights as held on the device (packed bytes for packed weights)."""
+    return sum(x.nbytes for x in jax.tree.leaves(tree))
+
+
 def step_weight_bytes(target: Target) -> int:
     """Weight bytes one plain decode step reads: everything but the unselected routed experts."""
     cfg = target.config
-    total = sum(x.nbytes for x in jax.tree.leaves(target.params))
-    experts = sum(b.moe.gate.nbytes + b.moe.up.nbytes + b.moe.down.nbytes for b in target.params.blocks)
-    embed = target.params.embed.nbytes
+    total = nbytes(target.params)
+    experts = sum(nbytes((b.moe.gate, b.moe.up, b.moe.down)) for b in target.params.blocks)
+    embed = nbytes(target.params.embed)
     return total - embed - experts + experts * cfg.n_active_experts // cfg.n_routed_experts
 
 
@@ -84,15 +93,15 @@ def main(argv: list[str]) -> None:
     cfg = wide_target() if _CONFIG.value == "wide" else tiny_target()
     tcfg, tparams, dcfg, dparams = tiny_pair(0, target_cfg=cfg, drafter_cfg=tiny_drafter(cfg))
     folder = tempfile.mkdtemp(prefix="dsparkjax-bench-")
-    write_model_gguf(os.path.join(folder, "t.gguf"), tcfg, tparams)
-    write_model_gguf(os.path.join(folder, "d.gguf"), dcfg, dparams)
+    write_model_gguf(os.path.join(folder, "t.gguf"), tcfg, tparams, recipe=_RECIPE.value)
+    write_model_gguf(os.path.join(folder, "d.gguf"), dcfg, dparams, recipe=_RECIPE.value)
     target = load_target(os.path.join(folder, "t.gguf"), dtype=_DTYPE.value)
     drafter = load_drafter(os.path.join(folder, "d.gguf"), target)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, cfg.vocab_size, int(rng.integers(8, 65))).tolist() for _ in range(_PROMPTS.value)]
     kw = dict(stop_tokens=())
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, {_CONFIG.value} model, {_DTYPE.value}, "
-          f"{len(prompts)} prompts x {_MAX_NEW.value} tokens")
+          f"recipe {_RECIPE.value} ({target.kernels} matrices), {len(prompts)} prompts x {_MAX_NEW.value} tokens")
     ar_exact, t_ar_exact = timed("plain, exact program", lambda n: generate(target, prompts, drafter=drafter,
                                                                                mode="ar", max_new_tokens=n, **kw))
     ar_fast, t_ar_fast = timed("plain, width-1 program", lambda n: generate(target, prompts, drafter=drafter,
@@ -116,6 +125,7 @@ def main(argv: list[str]) -> None:
     roofline_step = step_weight_bytes(target) / bw
     summary = dict(
         device=jax.devices()[0].device_kind, jax=jax.__version__, config=_CONFIG.value, dtype=_DTYPE.value,
+        recipe=_RECIPE.value, kernels=target.kernels,
         prompts=len(prompts), max_new_tokens=_MAX_NEW.value, acceptance_target=_ACCEPT.value, q=_WIDTH.value,
         copy_bandwidth_gbs=bw / 1e9, step_weight_mb=step_weight_bytes(target) / 1e6,
         exact_spec_equals_plain=all(a.token_ids == b.token_ids for a, b in zip(spec_exact, ar_exact)),
