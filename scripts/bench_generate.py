@@ -30,7 +30,7 @@ from dsparkjax.ggufio import write_model_gguf
 from dsparkjax.ggufio.writer import RECIPES
 from dsparkjax.spec.generate import Result, generate
 from dsparkjax.spec.oracle import oracle_for
-from dsparkjax.spec.proposer import load_drafter
+from dsparkjax.spec.proposer import Drafter, load_drafter
 from dsparkjax.target_api import Target, load_target
 from dsparkjax.timing import copy_bandwidth
 from dsparkjax.tiny import tiny_pair
@@ -87,9 +87,9 @@ def mismatch_rate(a: list[Result], b: list[Result]) -> float:
     return float(np.mean([x.token_ids != y.token_ids for x, y in zip(a, b)]))
 
 
-def main(argv: list[str]) -> None:
-    del argv
-    logging.set_verbosity(logging.WARNING)
+def bench_model() -> tuple[Target, Drafter, list[list[int]]]:
+    """The flags' random model written as GGUF and loaded back, its drafter, and the random prompts (8-64
+    tokens each, seeded): what every generation measurement runs on."""
     cfg = wide_target() if _CONFIG.value == "wide" else tiny_target()
     tcfg, tparams, dcfg, dparams = tiny_pair(0, target_cfg=cfg, drafter_cfg=tiny_drafter(cfg))
     folder = tempfile.mkdtemp(prefix="dsparkjax-bench-")
@@ -99,6 +99,14 @@ def main(argv: list[str]) -> None:
     drafter = load_drafter(os.path.join(folder, "d.gguf"), target)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, cfg.vocab_size, int(rng.integers(8, 65))).tolist() for _ in range(_PROMPTS.value)]
+    return target, drafter, prompts
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    logging.set_verbosity(logging.WARNING)
+    target, drafter, prompts = bench_model()
+    cfg = target.config
     kw = dict(stop_tokens=())
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, {_CONFIG.value} model, {_DTYPE.value}, "
           f"recipe {_RECIPE.value} ({target.kernels} matrices), {len(prompts)} prompts x {_MAX_NEW.value} tokens")

@@ -1,4 +1,5 @@
-"""The kernel measurement scripts (`scripts/bench_kernels.py`, `scripts/profile_kernel.py`) on CPU.
+"""The measurement scripts (`scripts/bench_kernels.py`, `scripts/profile_kernel.py`,
+`scripts/profile_generate.py`) on CPU.
 
 They produce the numbers in docs/PERFORMANCE.md, so their arithmetic is checked here: the benchmark runs
 end to end at tiny sizes, and the duration table is computed from a hand-made Nsight Compute CSV.
@@ -7,6 +8,7 @@ end to end at tiny sizes, and the duration table is computed from a hand-made Ns
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -115,3 +117,13 @@ def test_profile_kernel_table_needs_a_copy_bandwidth(tmp_path):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__]))
+
+
+def test_profile_generate_summarises_its_trace():
+    """The trace of plain decoding is read back and summarised per plane (on CPU: the host plane)."""
+    proc = run_script("profile_generate.py", "--config=tiny", "--dtype=float32", "--prompts=2",
+                      "--max_new_tokens=3", "--top=2")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert re.search(r"2 prompts x 3 tokens, 2 decode steps", proc.stdout), proc.stdout
+    planes = re.findall(r"^== (\S+): (\d+) events", proc.stdout, re.M)
+    assert planes and all(int(n) > 0 for _, n in planes), proc.stdout
