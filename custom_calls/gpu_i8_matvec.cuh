@@ -206,8 +206,8 @@ struct Sub<FmtIQ2_XXS> {  // half d @0; 8 x (u8 grid index[4], u32 signs|scale) 
       // nibbles at most 2 + 3: the sum never carries into the next nibble
       const uint32_t sel = *reinterpret_cast<const uint32_t*>(tab.base + g_at) +
                            *reinterpret_cast<const uint32_t*>(tab.base + kGridBytes + s_at);
-      q[2 * l] = __byte_perm(kPoolLo, kPoolHi, sel);  // reads selector bits 0..15
-      q[2 * l + 1] = __byte_perm(kPoolLo, kPoolHi, sel >> 16);
+      q[2 * l] = gpu_byte_select(kPoolLo, kPoolHi, sel);  // reads selector bits 0..15
+      q[2 * l + 1] = gpu_byte_select(kPoolLo, kPoolHi, sel >> 16);
     }
     return __fmul_rn(__fmul_rn(d, __fadd_rn(0.5f, (float)(a1 >> 28))), 0.25f);
   }

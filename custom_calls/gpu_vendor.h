@@ -33,6 +33,10 @@ __device__ __forceinline__ int gpu_dp4a(int a, int b, int c) {
   for (int i = 0; i < 4; ++i) c += (int)(signed char)(a >> (8 * i)) * (int)(signed char)(b >> (8 * i));
   return c;
 }
+// Byte k of the result is byte sel[4k+2..4k] of the eight bytes {b, a} (a the low word): selector nibbles
+// must be below 8 (CUDA's prmt would read their top bit as a sign-replicate flag; __byte_perm masks it off
+// with one more instruction per call).
+__device__ __forceinline__ uint32_t gpu_byte_select(uint32_t a, uint32_t b, uint32_t sel) { return __byte_perm(a, b, sel); }
 __device__ __forceinline__ void gpu_copy_async(void* dst, const void* src, int bytes) {
   if (bytes == 16) *static_cast<uint4*>(dst) = *static_cast<const uint4*>(src);
   else if (bytes == 8) *static_cast<uint2*>(dst) = *static_cast<const uint2*>(src);
@@ -63,6 +67,11 @@ typedef cudaError_t gpuError_t;
 __device__ __forceinline__ float gpu_shfl_xor(float v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
 __device__ __forceinline__ void gpu_syncwarp() { __syncwarp(); }
 __device__ __forceinline__ int gpu_dp4a(int a, int b, int c) { return __dp4a(a, b, c); }
+__device__ __forceinline__ uint32_t gpu_byte_select(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t r;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+  return r;
+}
 __device__ __forceinline__ void gpu_copy_async(void* dst, const void* src, int bytes) {
   const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
   if (bytes == 16) asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src));
