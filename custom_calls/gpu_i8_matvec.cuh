@@ -511,13 +511,26 @@ int resident_ctas(int smem) {
   return cached_ctas;
 }
 
-// Rows per warp: the largest R <= 4 that still gives every resident warp (kCtasPerSm CTAs of kWarps per SM)
-// two groups of rows.
+// Rows per group of a dense call: the largest R <= 4 that still gives every resident warp (kCtasPerSm CTAs of
+// kWarps per SM) two groups of rows. (balanced_rows would take R = 2 for 8192 -> 4096, 9% faster for IQ2_XXS at
+// T = 1, but with half the token slots at K = 8192: 41% slower at T = 64, run 9.)
 inline int pick_rows(int64_t rows_total) {
   const int64_t resident_warps = kCtasPerSm * (int64_t)sm_count() * kWarps;
   int R = 4;
   while (R > 1 && rows_total / R < 2 * resident_warps) R /= 2;
   return R;
+}
+
+// Rows per group for N rows shared by `warps` warps: the largest R <= max_rows whose busiest warp
+// (ceil(ceil(N / R) / warps) * R rows) has at most an eighth more rows than with R = 1. More rows per group
+// share each activation load, which outweighs a slightly longer busiest warp.
+inline int balanced_rows(int64_t N, int64_t warps, int max_rows) {
+  const auto busiest = [&](int64_t R) { return ((N + R - 1) / R + warps - 1) / warps * R; };
+  const int64_t bound = busiest(1) + busiest(1) / 8;
+  int best = 1;
+  for (int R = 2; R <= max_rows; R *= 2)
+    if (busiest(R) <= bound) best = R;
+  return best;
 }
 
 // Calls f(std::integral_constant<int, R>) for R in {1, 2, 4}, R <= kMaxR (wider column counts need the
@@ -574,13 +587,18 @@ constexpr int kMaxRows = Sub<Fmt>::kChunkBytes > 1024 ? 2 : 4;
 template <int NC, int R>
 constexpr int kRowsWith = NC == 8 && R > 2 ? 2 : R;
 
-// Launches `kernel` over a grid of (persistent CTAs, ny): about as many CTAs per y as fit on the device at
-// once when `busy_y` of the ny grid rows have work, at most one per kWarps row groups.
+// Launches `kernel` over a grid of (persistent CTAs, ny): the CTAs that fit on the device at once shared among
+// the `busy_y` grid rows that have work, at most one per kWarps row groups. The share rounds down for dense
+// tiles (every launched CTA works: rounding up left a tail wave, attn_a at T = 64 39% slower, run 9) and up for
+// MoE slots (`busy_y` there is a bound, and CTAs of repeated slots exit at once: rounding down left SMs idle,
+// 24-expert calls at T = 4 up to 1.5x slower).
 template <auto kKernel, int R, class... A>
-void launch_persistent(gpuStream_t stream, const Args& a, int fixed_smem, int slots, unsigned ny, int busy_y, A... args) {
+void launch_persistent(gpuStream_t stream, const Args& a, int fixed_smem, int slots, unsigned ny, int busy_y,
+                       bool round_up, A... args) {
   const int smem = fixed_smem + (int)(slots * x_token_bytes(a.K));
   const int64_t groups = (a.N + R - 1) / R, ctas_needed = (groups + kWarps - 1) / kWarps;
-  const int64_t per_y = std::max<int64_t>(1, resident_ctas<kKernel>(smem) / busy_y);
+  const int64_t resident = resident_ctas<kKernel>(smem);
+  const int64_t per_y = std::max<int64_t>(1, (resident + (round_up ? busy_y - 1 : 0)) / busy_y);
   kKernel<<<dim3((unsigned)std::min(ctas_needed, per_y), ny), kThreads, smem, stream>>>(a, args...);
 }
 
@@ -598,7 +616,7 @@ bool launch_qmatmul(gpuStream_t stream, const QDims& d, const uint8_t* w, const 
     visit_cols(slots, [&](auto nc) {
       constexpr int kNC = decltype(nc)::value, kR = kRowsWith<kNC, decltype(rc)::value>;
       launch_persistent<qmatmul_kernel<Fmt, kNC, kR>, kR>(stream, a, kFixedSmemBytes<Fmt, kR>, slots, tiles,
-                                                          (int)tiles, x, bf16, d.T, slots);
+                                                          (int)tiles, false, x, bf16, d.T, slots);
     });
     launched = true;
   });
@@ -612,18 +630,21 @@ bool launch_qmatmul_id(gpuStream_t stream, const QDims& d, const uint8_t* w, con
   const int P = (int)(d.T * d.k);
   bool launched = false;
   if (a.copy_bytes == 0) return launched;
-  // At most two rows per group: with four, the copy rings and one token's activations leave no room for a
-  // second CTA per SM (docs/kernels.md has the budget). Token slots: at most T, since an expert is chosen at
-  // most once per token unless ids repeat.
-  visit_rows<2>(pick_rows(d.N * std::min(P, kMaxCols)), [&](auto rc) {
+  // Experts busy at once: at most E distinct ones among the P slots (all P with DS4's 256 experts; the G
+  // groups of a grouped projection, which every token uses). Slots beyond an expert's first exit at once, so
+  // the device is shared among `busy` experts, each with its rows balanced over its warps (run 9: one wave of
+  // 11 CTAs per expert for 24 experts instead of three waves of 33, and four rows per group for IQ2_XXS,
+  // made the 24-expert IQ2_XXS calls 18-23% faster at T = 1). Token slots: at most T, since an expert is
+  // chosen at most once per token unless ids repeat.
+  const int busy = (int)std::min<int64_t>(P, d.E);
+  const int64_t warps = (kCtasPerSm * sm_count() + busy - 1) / busy * kWarps;
+  visit_rows<kMaxRows<Fmt>>(balanced_rows(d.N, warps, kMaxRows<Fmt>), [&](auto rc) {
     const int slots = token_slots(d.K, d.T, kFixedSmemBytes<Fmt, decltype(rc)::value>);
     if (slots == 0) return;
-    // Slots beyond the first of each expert exit at once; with distinct experts per token about min(P, 8)
-    // slots' CTAs run at a time.
     visit_cols(slots, [&](auto nc) {
       constexpr int kNC = decltype(nc)::value, kR = kRowsWith<kNC, decltype(rc)::value>;
       launch_persistent<qmatmul_id_kernel<Fmt, kNC, kR>, kR>(stream, a, kFixedSmemBytes<Fmt, kR>, slots, (unsigned)P,
-                                                             std::min(P, kMaxCols), x, bf16, ids, d.E, (int)d.k, P,
+                                                             busy, true, x, bf16, ids, d.E, (int)d.k, P,
                                                              slots);
     });
     launched = true;
