@@ -4,7 +4,8 @@
 
 Builds a random model (`tiny`, or `wide`: a DS4-shaped model with wider dims), writes it as GGUF (float32,
 or quantized with `--recipe`: `published` is DS4's own types, run on the packed kernels as a real file is)
-and loads it back, then for the same random prompts measures:
+and loads it back (`--kernels dequantize` runs a quantized file on dense weights instead: the packed kernels'
+A/B on the same numbers), then for the same random prompts measures:
 - plain decoding through the exact program (width 1 + block) and through the width-1 program (fast);
 - speculative decoding with an oracle proposer at a chosen acceptance rate (the drafter's quality is not
   what is measured here: the verify economics are), exact and fast, and with the random DSpark drafter;
@@ -39,6 +40,10 @@ _CONFIG = flags.DEFINE_enum("config", "wide", ["tiny", "wide"], "Random model sh
 _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["float32", "bfloat16"], "Compute dtype.")
 _RECIPE = flags.DEFINE_enum("recipe", "f32", list(RECIPES), "Quant recipe of the written GGUFs (f32: dense "
                             "weights; others keep the quantized matrices packed on the FFI kernels).")
+_KERNELS = flags.DEFINE_enum("kernels", "auto", ["auto", "ffi", "reference", "dequantize"],
+                             "How the target's matrices run (load_target's `kernels`): with --recipe published, "
+                             "'dequantize' runs the same quantized model on dense weights, the A/B for the "
+                             "packed kernels.")
 _PROMPTS = flags.DEFINE_integer("prompts", 64, "Number of random prompts (one batch).")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 32, "Tokens per prompt.")
 _ACCEPT = flags.DEFINE_float("acceptance", 0.7, "Oracle proposer: fraction of correct candidates.")
@@ -95,7 +100,7 @@ def bench_model() -> tuple[Target, Drafter, list[list[int]]]:
     folder = tempfile.mkdtemp(prefix="dsparkjax-bench-")
     write_model_gguf(os.path.join(folder, "t.gguf"), tcfg, tparams, recipe=_RECIPE.value)
     write_model_gguf(os.path.join(folder, "d.gguf"), dcfg, dparams, recipe=_RECIPE.value)
-    target = load_target(os.path.join(folder, "t.gguf"), dtype=_DTYPE.value)
+    target = load_target(os.path.join(folder, "t.gguf"), dtype=_DTYPE.value, kernels=_KERNELS.value)
     drafter = load_drafter(os.path.join(folder, "d.gguf"), target)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, cfg.vocab_size, int(rng.integers(8, 65))).tolist() for _ in range(_PROMPTS.value)]

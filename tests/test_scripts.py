@@ -1,5 +1,5 @@
 """The measurement scripts (`scripts/bench_kernels.py`, `scripts/profile_kernel.py`,
-`scripts/profile_generate.py`) on CPU.
+`scripts/bench_generate.py`, `scripts/profile_generate.py`) on CPU.
 
 They produce the numbers in docs/PERFORMANCE.md, so their arithmetic is checked here: the benchmark runs
 end to end at tiny sizes, and the duration table is computed from a hand-made Nsight Compute CSV.
@@ -127,3 +127,16 @@ def test_profile_generate_summarises_its_trace():
     assert re.search(r"2 prompts x 3 tokens, 2 decode steps", proc.stdout), proc.stdout
     planes = re.findall(r"^== (\S+): (\d+) events", proc.stdout, re.M)
     assert planes and all(int(n) > 0 for _, n in planes), proc.stdout
+
+
+def test_bench_generate_runs_the_chosen_kernels(tmp_path):
+    """`--kernels` reaches load_target (the packed kernels' A/B), and the summary says which ran."""
+    out = tmp_path / "bench.json"
+    proc = run_script("bench_generate.py", "--config=tiny", "--dtype=float32", "--prompts=2", "--max_new_tokens=3",
+                      "--kernels=reference", f"--output={out}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "(reference matrices)" in proc.stdout, proc.stdout
+    summary = json.loads(out.read_text())
+    assert summary["kernels"] == "reference"
+    assert summary["exact_spec_equals_plain"] and summary["dspark_exact_equals_plain"]
+
