@@ -636,7 +636,7 @@ bool launch_qmatmul_id(gpuStream_t stream, const QDims& d, const uint8_t* w, con
   // 11 CTAs per expert for 24 experts instead of three waves of 33, and four rows per group for IQ2_XXS,
   // made the 24-expert IQ2_XXS calls 18-23% faster at T = 1). Token slots: at most T, since an expert is
   // chosen at most once per token unless ids repeat.
-  const int busy = (int)std::min<int64_t>(P, d.E);
+  const int busy = (int)std::clamp<int64_t>(d.E, 1, P);  // E = 0: every id invalid, the outputs zeroed
   const int64_t warps = (kCtasPerSm * sm_count() + busy - 1) / busy * kWarps;
   visit_rows<kMaxRows<Fmt>>(balanced_rows(d.N, warps, kMaxRows<Fmt>), [&](auto rc) {
     const int slots = token_slots(d.K, d.T, kFixedSmemBytes<Fmt, decltype(rc)::value>);

@@ -168,6 +168,19 @@ def test_qmatmul_id_invalid_ids_give_zero_rows(device):
         assert np.all(y[0, 1] == 0) and np.all(y[1, 0] == 0) and np.any(y[0, 0] != 0)
 
 
+@pytest.mark.parametrize("ggml_type", [GGMLType.Q8_0, GGMLType.IQ2_XXS], ids=lambda t: t.name)
+def test_qmatmul_id_without_experts_gives_zero_rows(device, ggml_type):
+    """A weight of zero experts: every id is out of range, so every row is zero (not an error, not a crash)."""
+    rng = np.random.default_rng(2)
+    k = 256
+    w = random_packed(rng, ggml_type, (0, 5), k)
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    ids = np.array([[0, 1], [2, -1], [7, 0]], np.int32)
+    for backend in ("ffi", "reference"):
+        y = np.asarray(_qmatmul_id(*_put(device, x, w, ids), ggml_type, backend))
+        assert y.shape == (3, 2, 5) and np.all(y == 0), backend
+
+
 @pytest.mark.parametrize("ggml_type", [GGMLType.Q8_0, GGMLType.IQ2_XXS, GGMLType.Q2_K, GGMLType.Q2_0_ROCMFP2])
 def test_qmatmul_id_batch_invariant(device, ggml_type):
     rng = np.random.default_rng(7)

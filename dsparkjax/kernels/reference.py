@@ -30,6 +30,8 @@ def qmatmul_id(x: jax.Array, w_packed: jax.Array, ids: jax.Array, ggml_type: int
     Only the selected experts are gathered and dequantized.
     """
     n_experts = w_packed.shape[0]
+    if n_experts == 0:  # every id is outside [0, 0): nothing to gather
+        return jnp.zeros((*ids.shape, w_packed.shape[1]), jnp.float32)
     valid = (ids >= 0) & (ids < n_experts)
     w = packed.dequantize(w_packed[jnp.where(valid, ids, 0)], ggml_type, x.shape[-1])  # [T, k, N, K]
     y = jnp.einsum("tk,tjnk->tjn", x.astype(jnp.float32), w, precision=_HI)
