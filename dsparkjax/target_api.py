@@ -25,6 +25,7 @@ from dsparkjax.model.state import commit, init_state
 from dsparkjax.model.target import StepOptions, TargetModel
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+KERNEL_CHOICES = ("auto", "dequantize", "ffi", "reference")  # load_target's `kernels`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,8 +64,8 @@ def load_target(path: str, *, dtype: str = "float32", simulate_qat: bool = True,
     """
     if dtype not in DTYPES:
         raise DsparkError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    if kernels not in ("auto", "dequantize", "ffi", "reference"):
-        raise DsparkError(f"kernels must be 'auto', 'dequantize', 'ffi' or 'reference', got {kernels!r}")
+    if kernels not in KERNEL_CHOICES:
+        raise DsparkError(f"kernels must be one of {KERNEL_CHOICES}, got {kernels!r}")
     file, cfg = open_target(path)
     kernels = _kernel_choice(kernels, file)
     wrap = iter

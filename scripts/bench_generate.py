@@ -32,7 +32,7 @@ from dsparkjax.ggufio.writer import RECIPES
 from dsparkjax.spec.generate import Result, generate
 from dsparkjax.spec.oracle import oracle_for
 from dsparkjax.spec.proposer import Drafter, load_drafter
-from dsparkjax.target_api import Target, load_target
+from dsparkjax.target_api import KERNEL_CHOICES, Target, load_target
 from dsparkjax.timing import copy_bandwidth
 from dsparkjax.tiny import tiny_pair
 
@@ -40,7 +40,7 @@ _CONFIG = flags.DEFINE_enum("config", "wide", ["tiny", "wide"], "Random model sh
 _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["float32", "bfloat16"], "Compute dtype.")
 _RECIPE = flags.DEFINE_enum("recipe", "f32", list(RECIPES), "Quant recipe of the written GGUFs (f32: dense "
                             "weights; others keep the quantized matrices packed on the FFI kernels).")
-_KERNELS = flags.DEFINE_enum("kernels", "auto", ["auto", "ffi", "reference", "dequantize"],
+_KERNELS = flags.DEFINE_enum("kernels", "auto", list(KERNEL_CHOICES),
                              "How the target's matrices run (load_target's `kernels`): with --recipe published, "
                              "'dequantize' runs the same quantized model on dense weights, the A/B for the "
                              "packed kernels.")
