@@ -115,9 +115,6 @@ def test_profile_kernel_table_needs_a_copy_bandwidth(tmp_path):
                                      if line.startswith("Q8_0")] == TABLE
 
 
-if __name__ == "__main__":
-    sys.exit(pytest.main([__file__]))
-
 
 def test_profile_generate_summarises_its_trace():
     """The trace of plain decoding is read back and summarised per plane (on CPU: the host plane)."""
@@ -140,3 +137,6 @@ def test_bench_generate_runs_the_chosen_kernels(tmp_path):
     assert summary["kernels"] == "reference"
     assert summary["exact_spec_equals_plain"] and summary["dspark_exact_equals_plain"]
 
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__]))
