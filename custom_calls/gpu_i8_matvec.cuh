@@ -25,8 +25,13 @@
 
 namespace i8 {
 
-constexpr int kWarps = 8;
-constexpr int kThreads = kWarps * kLanes;
+// Warps per SM these kernels are laid out for (launch bounds, token_slots, pick_rows): two CTAs of kWarps, or,
+// for dense calls whose tokens two CTAs cannot stage at once, one CTA of kWideWarps, which stages them once per
+// SM instead of twice (launch_qmatmul). A third CTA of 8 warps per SM, where shared memory would allow it,
+// measured slower (run 6: 20-30% on the IQ2_XXS expert shapes; run 7: with smaller IQ2_XXS tables, 19% on
+// grouped_o, its rows no longer split evenly across the warps).
+constexpr int kWarpsPerSm = 16;
+constexpr int kWarps = 8, kWideWarps = 16;
 constexpr int kSubPerLane = 2;  // independent 32-weight sub-blocks per lane per chunk (instruction-level parallelism)
 constexpr int kSubPerChunk = kSubPerLane * kLanes;
 
@@ -99,17 +104,17 @@ constexpr int kStageBatch = 4;
 // i = 4·(warp step) + g of the call's (token, sub-block) sequence, lane q = lane % 8 its elements 4q..4q+3; the
 // sub-block's largest magnitude is an integer max over the 8 lanes (on |bits|, so a NaN or inf anywhere wins
 // and gives a NaN scale). Offsets in shared memory are 32-bit (it is at most 228 KB).
-template <class XT>
+template <class XT, int W>
 __device__ __forceinline__ void stage_tokens(const XSource& src, float* scales) {
   const uint32_t nsub = (uint32_t)(src.K / 32), total = (uint32_t)src.ntok * nsub, K = (uint32_t)src.K;
   const uint32_t warp = threadIdx.x / kLanes, lane = threadIdx.x % kLanes, q = lane % 8;
   const XT* x = static_cast<const XT*>(src.x);
-  for (uint32_t i0 = warp * 4 + lane / 8; i0 - lane / 8 < total; i0 += kWarps * 4 * kStageBatch) {
+  for (uint32_t i0 = warp * 4 + lane / 8; i0 - lane / 8 < total; i0 += W * 4 * kStageBatch) {
     float4 v[kStageBatch];
     uint32_t slot[kStageBatch], sb[kStageBatch];
 #pragma unroll
     for (int u = 0; u < kStageBatch; ++u) {
-      const uint32_t i = i0 + u * kWarps * 4;
+      const uint32_t i = i0 + u * W * 4;
       slot[u] = i / nsub;
       sb[u] = i - slot[u] * nsub;
       v[u] = i < total ? load4(x + (int64_t)src.rows[slot[u]] * src.K + sb[u] * 32 + 4 * q)
@@ -117,7 +122,7 @@ __device__ __forceinline__ void stage_tokens(const XSource& src, float* scales) 
     }
 #pragma unroll
     for (int u = 0; u < kStageBatch; ++u) {
-      const uint32_t i = i0 + u * kWarps * 4;
+      const uint32_t i = i0 + u * W * 4;
       uint32_t m = max(max(__float_as_uint(v[u].x) & 0x7FFFFFFFu, __float_as_uint(v[u].y) & 0x7FFFFFFFu),
                        max(__float_as_uint(v[u].z) & 0x7FFFFFFFu, __float_as_uint(v[u].w) & 0x7FFFFFFFu));
       for (int s = 1; s < 8; s <<= 1) m = max(m, __float_as_uint(gpu_shfl_xor(__uint_as_float(m), s)));
@@ -140,11 +145,13 @@ __device__ __forceinline__ void stage_tokens(const XSource& src, float* scales) 
   }
 }
 
-// Quantises the activations of `src` into shared memory, then a CTA barrier (every thread must call it).
+// Quantises the activations of `src` into shared memory, then a CTA barrier (every thread of the W warps
+// must call it).
+template <int W>
 __device__ __forceinline__ XView stage_x(const XSource& src) {
   float* scales = reinterpret_cast<float*>(src.dst + (int64_t)src.slots * 3 * src.K);
-  if (src.bf16) stage_tokens<uint16_t>(src, scales);
-  else stage_tokens<float>(src, scales);
+  if (src.bf16) stage_tokens<uint16_t, W>(src, scales);
+  else stage_tokens<float, W>(src, scales);
   __syncthreads();
   return XView{reinterpret_cast<const uint4*>(src.dst), scales, (int)(src.K / 32)};
 }
@@ -232,11 +239,12 @@ constexpr Iq2Selectors make_iq2_selectors() {
 }
 __device__ const Iq2Selectors kIq2SelectorsDevice = make_iq2_selectors();
 
-// Fills the replicated tables from the device's constant arrays: every load first (one global round trip),
-// then the stores, each 16 bytes (four copies of one entry).
-template <class Fmt>
+// Fills the replicated tables from the device's constant arrays (a CTA of W warps): every load first (one
+// global round trip), then the stores, each 16 bytes (four copies of one entry).
+template <class Fmt, int W>
 __device__ Tables init_tables(uint8_t* smem) {
   if constexpr (Sub<Fmt>::kTableBytes > 0) {
+    constexpr int kThreads = W * kLanes;
     constexpr int kGridPer = 256 * 4 / kThreads, kSignPer = 128 * 4 / kThreads;  // 16-byte stores per thread
     uint32_t g[kGridPer], m[kSignPer];
 #pragma unroll
@@ -336,10 +344,10 @@ __device__ __forceinline__ void copy_rows(uint8_t* dst, const uint8_t* src, cons
   }
 }
 
-// One warp: its groups of R rows (group0, group0 + stride, ...) times the first ncols tokens of xs; output of
-// token slot t goes to row y_rows[t] of a.y. The warp starts its first weight copies, then takes part in
-// staging the CTA's activations (so their global loads overlap), then computes.
-template <class Fmt, int NC, int R>
+// One warp of a CTA of W: its groups of R rows (group0, group0 + stride, ...) times the first ncols tokens of
+// xs; output of token slot t goes to row y_rows[t] of a.y. The warp starts its first weight copies, then takes
+// part in staging the CTA's activations (so their global loads overlap), then computes.
+template <class Fmt, int NC, int R, int W>
 __device__ void warp_rows(const Args& a, const XSource& xs, const int* y_rows, int ncols, int64_t group0, int64_t stride,
                           uint8_t* stages, const Tables& tab) {
   constexpr int CB = Sub<Fmt>::kChunkBytes, RS = kRowStride<Fmt>, D = kStages<Fmt, R>;
@@ -371,7 +379,7 @@ __device__ void warp_rows(const Args& a, const XSource& xs, const int* y_rows, i
     slot_in = slot_in + 1 == D ? 0 : slot_in + 1;
   };
   for (int i = 0; i < D - 1; ++i) issue();
-  const XView xv = stage_x(xs);
+  const XView xv = stage_x<W>(xs);
   float acc[R][NC];
   for (; at.group < ngroups; at.next(stride, nchunks), slot_at = slot_at + 1 == D ? 0 : slot_at + 1) {
     gpu_copy_wait<D - 2>();
@@ -406,50 +414,49 @@ __device__ void warp_rows(const Args& a, const XSource& xs, const int* y_rows, i
   gpu_syncwarp();
 }
 
-// Shared memory of one CTA: the tables, per warp kStages stages of R staged row chunks, then the activations
-// of up to `slots` tokens (slots * x_token_bytes(K)).
+// Shared memory of one CTA of W warps: the tables, per warp kStages stages of R staged row chunks, then the
+// activations of up to `slots` tokens (slots * x_token_bytes(K)).
 template <class Fmt, int R>
 constexpr int kWarpStageBytes = kStages<Fmt, R> * R * kRowStride<Fmt>;
-template <class Fmt, int R>
-constexpr int kFixedSmemBytes = Sub<Fmt>::kTableBytes + kWarps * kWarpStageBytes<Fmt, R>;
+template <class Fmt, int R, int W>
+constexpr int kFixedSmemBytes = Sub<Fmt>::kTableBytes + W * kWarpStageBytes<Fmt, R>;
 
-template <class Fmt, int NC, int R>
+template <class Fmt, int NC, int R, int W>
 __device__ void cta_rows(const Args& a, const XSource& xs, const int* y_rows, int ncols, uint8_t* smem, const Tables& tab) {
   const int warp = threadIdx.x / kLanes;
   uint8_t* stages = smem + Sub<Fmt>::kTableBytes + warp * kWarpStageBytes<Fmt, R>;
-  warp_rows<Fmt, NC, R>(a, xs, y_rows, ncols, (int64_t)blockIdx.x * kWarps + warp, (int64_t)gridDim.x * kWarps, stages,
-                        tab);
+  warp_rows<Fmt, NC, R, W>(a, xs, y_rows, ncols, (int64_t)blockIdx.x * W + warp, (int64_t)gridDim.x * W, stages, tab);
 }
 
-// Dense: grid (persistent CTAs, token tiles of `slots` tokens).
-template <class Fmt, int NC, int R>
-__global__ void __launch_bounds__(kThreads, 2) qmatmul_kernel(Args a, const void* __restrict__ x, bool bf16, int64_t T,
-                                                              int slots) {
+// Dense: grid (persistent CTAs of W warps, token tiles of `slots` tokens).
+template <class Fmt, int NC, int R, int W>
+__global__ void __launch_bounds__(W * kLanes, kWarpsPerSm / W) qmatmul_kernel(Args a, const void* __restrict__ x,
+                                                                              bool bf16, int64_t T, int slots) {
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ int s_rows[kMaxCols];
-  const Tables tab = init_tables<Fmt>(smem);
+  const Tables tab = init_tables<Fmt, W>(smem);
   const int64_t t0 = (int64_t)blockIdx.y * slots;
   const int ncols = (int)(T - t0 < slots ? T - t0 : slots);
   if (threadIdx.x < kMaxCols) s_rows[threadIdx.x] = (int)(t0 + threadIdx.x);
   __syncthreads();
-  cta_rows<Fmt, NC, R>(a, XSource{x, bf16, a.K, s_rows, ncols, slots, smem + kFixedSmemBytes<Fmt, R>}, s_rows, ncols,
-                       smem, tab);
+  cta_rows<Fmt, NC, R, W>(a, XSource{x, bf16, a.K, s_rows, ncols, slots, smem + kFixedSmemBytes<Fmt, R, W>}, s_rows,
+                          ncols, smem, tab);
 }
 
 // MoE: grid (persistent CTAs, slot p). The CTAs of slot p serve expert ids[p] only if p is its first slot,
 // then loop over all slots choosing it, `slots` (<= NC) at a time: each selected expert is read once per call
 // when no more than `slots` tokens chose it.
 template <class Fmt, int NC, int R>
-__global__ void __launch_bounds__(kThreads, 2) qmatmul_id_kernel(Args a, const void* __restrict__ x, bool bf16,
-                                                                 const int32_t* __restrict__ ids, int64_t E, int topk,
-                                                                 int P, int slots) {
+__global__ void __launch_bounds__(kWarps * kLanes, kWarpsPerSm / kWarps)
+    qmatmul_id_kernel(Args a, const void* __restrict__ x, bool bf16, const int32_t* __restrict__ ids, int64_t E, int topk,
+                      int P, int slots) {
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ ColTable s_cols;
   __shared__ int s_next;
   const int p = blockIdx.y;
   if (!first_slot_of_expert(ids, p)) return;
   const int32_t e = ids[p];
-  const Tables tab = init_tables<Fmt>(smem);
+  const Tables tab = init_tables<Fmt, kWarps>(smem);
   const bool valid = e >= 0 && e < E;
   Args ae = a;
   ae.w = a.w + (valid ? e : 0) * a.N * a.row_bytes;
@@ -457,11 +464,12 @@ __global__ void __launch_bounds__(kThreads, 2) qmatmul_id_kernel(Args a, const v
     const int ncols = next_expert_cols(ids, e, topk, P, slots, &start, &s_cols, &s_next);
     if (ncols == 0) break;
     if (!valid) {
-      for (int64_t i = (int64_t)blockIdx.x * kThreads + threadIdx.x; i < ncols * a.N; i += (int64_t)gridDim.x * kThreads)
+      const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+      for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < ncols * a.N; i += stride)
         a.y[(int64_t)s_cols.y_row[i / a.N] * a.N + i % a.N] = 0.0f;
     } else {
-      const XSource xs{x, bf16, a.K, s_cols.x_row, ncols, slots, smem + kFixedSmemBytes<Fmt, R>};
-      cta_rows<Fmt, NC, R>(ae, xs, s_cols.y_row, ncols, smem, tab);
+      const XSource xs{x, bf16, a.K, s_cols.x_row, ncols, slots, smem + kFixedSmemBytes<Fmt, R, kWarps>};
+      cta_rows<Fmt, NC, R, kWarps>(ae, xs, s_cols.y_row, ncols, smem, tab);
     }
     __syncthreads();  // every warp is done with this pass's activations and columns before the next pass
   }
@@ -483,16 +491,11 @@ inline int sm_count() { return device_attribute<gpuDevAttrMultiProcessorCount>()
 inline int smem_optin() { return device_attribute<gpuDevAttrMaxSharedMemoryPerBlockOptin>(); }
 inline int smem_per_sm() { return device_attribute<gpuDevAttrMaxSharedMemoryPerMultiprocessor>(); }
 
-// The CTAs per SM these kernels are laid out for (launch bounds, token_slots, pick_rows): a third CTA per SM,
-// where shared memory would allow it, measured slower (run 6: 20-30% on the IQ2_XXS expert shapes; run 7: with
-// smaller IQ2_XXS tables, 19% on grouped_o, its rows no longer split evenly across the warps).
-constexpr int kCtasPerSm = 2;
-
-// Resident CTAs of a kernel with `smem` bytes of dynamic shared memory on the current device, at most
-// kCtasPerSm per SM. The kernel's shared-memory limit is raised once, and the occupancy is computed once per
+// Resident CTAs of a kernel of W warps with `smem` bytes of dynamic shared memory on the current device, at
+// most kWarpsPerSm / W per SM. The kernel's shared-memory limit is raised once, and the occupancy is computed once per
 // distinct `smem` (host-side calls only, no stream work: capture-safe; cached because the handler runs on
 // every call outside command buffers).
-template <auto kKernel>
+template <auto kKernel, int W>
 int resident_ctas(int smem) {
   static const bool raised = [] {
     gpuFuncAttributes attr{};
@@ -504,18 +507,18 @@ int resident_ctas(int smem) {
   static int cached_smem = -1, cached_ctas = 0;
   if (smem != cached_smem) {
     int per_sm = 0;
-    (void)gpuOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, kThreads, smem);
-    cached_ctas = sm_count() * std::clamp(per_sm, 1, kCtasPerSm);
+    (void)gpuOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, W * kLanes, smem);
+    cached_ctas = sm_count() * std::clamp(per_sm, 1, kWarpsPerSm / W);
     cached_smem = smem;
   }
   return cached_ctas;
 }
 
-// Rows per group of a dense call: the largest R <= 4 that still gives every resident warp (kCtasPerSm CTAs of
-// kWarps per SM) two groups of rows. (balanced_rows would take R = 2 for 8192 -> 4096, 9% faster for IQ2_XXS at
+// Rows per group of a dense call: the largest R <= 4 that still gives every resident warp (kWarpsPerSm per
+// SM) two groups of rows. (balanced_rows would take R = 2 for 8192 -> 4096, 9% faster for IQ2_XXS at
 // T = 1, but with half the token slots at K = 8192: 41% slower at T = 64, run 9.)
 inline int pick_rows(int64_t rows_total) {
-  const int64_t resident_warps = kCtasPerSm * (int64_t)sm_count() * kWarps;
+  const int64_t resident_warps = (int64_t)kWarpsPerSm * sm_count();
   int R = 4;
   while (R > 1 && rows_total / R < 2 * resident_warps) R /= 2;
   return R;
@@ -554,28 +557,30 @@ inline int copy_width(const uint8_t* w, int64_t row_bytes, int chunk_bytes) {
   return 0;
 }
 
-// Token slots a CTA can stage next to `fixed_smem` bytes of shared memory, at most kMaxCols and `wanted` (0:
-// not even one token's activations fit, the call takes the float path): as many as still let kCtasPerSm CTAs share
-// an SM (each SM reserves 1 KB per CTA; 1 KB of static shared memory per CTA) when at least one does, else
-// as many as fit one CTA. One CTA of 8 warps per SM cannot hide the latency of this kernel's loop: the MoE
-// kernel at 195 KB per CTA ran at 12.5% occupancy (docs/PERFORMANCE.md, run 4), and dense calls with wide
+// Token slots a CTA of W warps can stage next to `fixed_smem` bytes of shared memory, at most kMaxCols and
+// `wanted` (0: not even one token's activations fit, the call takes the float path): as many as still let
+// kWarpsPerSm / W CTAs share an SM (each SM reserves 1 KB per CTA; 1 KB of static shared memory per CTA) when
+// at least one does, else as many as fit one CTA. One CTA of 8 warps per SM cannot hide the latency of this
+// kernel's loop: the MoE kernel at 195 KB per CTA ran at 12.5% occupancy (docs/PERFORMANCE.md, run 4), and dense calls with wide
 // tokens ran up to 1.5x slower with more slots per CTA than with more CTAs per SM each serving fewer tokens
 // (run 6: Q8_0 8192 -> 4096 at T = 8, 83.0 us with 6 slots, 55.4 us with 2; the tiles read the same rows at
 // about the same time, so the weights still come from DRAM about once).
-inline int token_slots(int64_t K, int64_t wanted, int fixed_smem) {
+template <int W>
+int token_slots(int64_t K, int64_t wanted, int fixed_smem) {
   const auto fit = [&](int64_t room) {
     return std::max<int64_t>(0, std::min<int64_t>({kMaxCols, wanted, (room - fixed_smem) / x_token_bytes(K)}));
   };
-  const int64_t shared = fit(smem_per_sm() / kCtasPerSm - 2 * 1024);
+  const int64_t shared = fit(smem_per_sm() / (kWarpsPerSm / W) - 2 * 1024);
   return (int)(shared > 0 ? shared : fit(smem_optin() - 1024));
 }
 
-// Tokens per CTA a dense call asks for: all T, unless its rows need fewer CTAs than the device holds; then
-// the tokens split into tiles (grid y) that fill it. Attention's 1024 rows take 128 CTAs of 264: at T = 4,
-// two tiles of two tokens ran about 15% faster than one tile of four (run 7).
-inline int64_t tile_tokens(int64_t T, int64_t N, int R) {
-  const int64_t ctas_needed = ((N + R - 1) / R + kWarps - 1) / kWarps;
-  const int64_t tiles = std::clamp<int64_t>(kCtasPerSm * sm_count() / ctas_needed, 1, T);
+// Tokens per CTA of W warps a dense call asks for: all T, unless its rows need fewer CTAs than the device
+// holds; then the tokens split into tiles (grid y) that fill it. Attention's 1024 rows take 128 CTAs of 264:
+// at T = 4, two tiles of two tokens ran about 15% faster than one tile of four (run 7).
+template <int W>
+int64_t tile_tokens(int64_t T, int64_t N, int R) {
+  const int64_t ctas_needed = ((N + R - 1) / R + W - 1) / W;
+  const int64_t tiles = std::clamp<int64_t>(kWarpsPerSm / W * sm_count() / ctas_needed, 1, T);
   return (T + tiles - 1) / tiles;
 }
 
@@ -587,38 +592,55 @@ constexpr int kMaxRows = Sub<Fmt>::kChunkBytes > 1024 ? 2 : 4;
 template <int NC, int R>
 constexpr int kRowsWith = NC == 8 && R > 2 ? 2 : R;
 
-// Launches `kernel` over a grid of (persistent CTAs, ny): the CTAs that fit on the device at once shared among
-// the `busy_y` grid rows that have work, at most one per kWarps row groups. The share rounds down for dense
-// tiles (every launched CTA works: rounding up left a tail wave, attn_a at T = 64 39% slower, run 9) and up for
-// MoE slots (`busy_y` there is a bound, and CTAs of repeated slots exit at once: rounding down left SMs idle,
-// 24-expert calls at T = 4 up to 1.5x slower).
-template <auto kKernel, int R, class... A>
+// Launches `kernel` (CTAs of W warps) over a grid of (persistent CTAs, ny): the CTAs that fit on the device at
+// once shared among the `busy_y` grid rows that have work, at most one per W row groups. The share rounds down
+// for dense tiles (every launched CTA works: rounding up left a tail wave, attn_a at T = 64 39% slower, run 9)
+// and up for MoE slots (`busy_y` there is a bound, and CTAs of repeated slots exit at once: rounding down left
+// SMs idle, 24-expert calls at T = 4 up to 1.5x slower).
+template <auto kKernel, int R, int W, class... A>
 void launch_persistent(gpuStream_t stream, const Args& a, int fixed_smem, int slots, unsigned ny, int busy_y,
                        bool round_up, A... args) {
   const int smem = fixed_smem + (int)(slots * x_token_bytes(a.K));
-  const int64_t groups = (a.N + R - 1) / R, ctas_needed = (groups + kWarps - 1) / kWarps;
-  const int64_t resident = resident_ctas<kKernel>(smem);
+  const int64_t groups = (a.N + R - 1) / R, ctas_needed = (groups + W - 1) / W;
+  const int64_t resident = resident_ctas<kKernel, W>(smem);
   const int64_t per_y = std::max<int64_t>(1, (resident + (round_up ? busy_y - 1 : 0)) / busy_y);
-  kKernel<<<dim3((unsigned)std::min(ctas_needed, per_y), ny), kThreads, smem, stream>>>(a, args...);
+  kKernel<<<dim3((unsigned)std::min(ctas_needed, per_y), ny), W * kLanes, smem, stream>>>(a, args...);
 }
 
-// Launches the integer-path matmul; false (nothing launched) when the call does not fit it.
+// Launches the dense matmul: CTAs of W warps, tiles of `slots` <= NC tokens.
+template <class Fmt, int NC, int R, int W>
+void launch_tiles(gpuStream_t stream, const QDims& d, const Args& a, int slots, const void* x, bool bf16) {
+  constexpr int kR = kRowsWith<NC, R>;
+  const unsigned tiles = (unsigned)((d.T + slots - 1) / slots);
+  launch_persistent<qmatmul_kernel<Fmt, NC, kR, W>, kR, W>(stream, a, kFixedSmemBytes<Fmt, kR, W>, slots, tiles,
+                                                          (int)tiles, false, x, bf16, d.T, slots);
+}
+
+// Launches the integer-path matmul; false (nothing launched) when the call does not fit it. One CTA of
+// kWideWarps per SM stages the tokens once per SM instead of twice, and has room for twice as many (kernel run
+// 10: 8192 -> 4096 at T = 1 15.8 -> 14.3 us for Q8_0, 15.6 -> 14.1 for IQ2_XXS; at T = 4 one tile of four tokens
+// instead of two of two, 32.4 -> 29.5; attn_a at T = 4 9.8 -> 8.7). Only a T = 1 call whose rows need fewer
+// wide CTAs than the device has SMs takes two CTAs of kWarps, which spread its rows over all SMs (attn_a at
+// T = 1 as 64 wide CTAs: 6.0 -> 6.4 us).
 template <class Fmt>
 bool launch_qmatmul(gpuStream_t stream, const QDims& d, const uint8_t* w, const void* x, bool bf16, float* y) {
   const Args a{w, y, d.N, d.K, d.row_bytes, copy_width(w, d.row_bytes, Sub<Fmt>::kChunkBytes)};
   bool launched = false;
   if (a.copy_bytes == 0) return launched;
   visit_rows<kMaxRows<Fmt>>(pick_rows(d.N), [&](auto rc) {
-    constexpr int kR0 = decltype(rc)::value;
-    const int slots = token_slots(d.K, tile_tokens(d.T, d.N, kR0), kFixedSmemBytes<Fmt, kR0>);
-    if (slots == 0) return;
-    const unsigned tiles = (unsigned)((d.T + slots - 1) / slots);
-    visit_cols(slots, [&](auto nc) {
-      constexpr int kNC = decltype(nc)::value, kR = kRowsWith<kNC, decltype(rc)::value>;
-      launch_persistent<qmatmul_kernel<Fmt, kNC, kR>, kR>(stream, a, kFixedSmemBytes<Fmt, kR>, slots, tiles,
-                                                          (int)tiles, false, x, bf16, d.T, slots);
+    constexpr int kR = decltype(rc)::value;
+    const int64_t wide_ctas = ((d.N + kR - 1) / kR + kWideWarps - 1) / kWideWarps;
+    if (d.T == 1 && wide_ctas < sm_count()) {
+      launched = token_slots<kWarps>(d.K, 1, kFixedSmemBytes<Fmt, kR, kWarps>) == 1;
+      if (launched) launch_tiles<Fmt, 1, kR, kWarps>(stream, d, a, 1, x, bf16);
+      return;
+    }
+    const int slots =
+        token_slots<kWideWarps>(d.K, tile_tokens<kWideWarps>(d.T, d.N, kR), kFixedSmemBytes<Fmt, kR, kWideWarps>);
+    launched = slots > 0;
+    if (launched) visit_cols(slots, [&](auto nc) {
+      launch_tiles<Fmt, decltype(nc)::value, kR, kWideWarps>(stream, d, a, slots, x, bf16);
     });
-    launched = true;
   });
   return launched;
 }
@@ -637,15 +659,15 @@ bool launch_qmatmul_id(gpuStream_t stream, const QDims& d, const uint8_t* w, con
   // made the 24-expert IQ2_XXS calls 18-23% faster at T = 1). Token slots: at most T, since an expert is
   // chosen at most once per token unless ids repeat.
   const int busy = (int)std::clamp<int64_t>(d.E, 1, P);  // E = 0: every id invalid, the outputs zeroed
-  const int64_t warps = (kCtasPerSm * sm_count() + busy - 1) / busy * kWarps;
+  const int64_t warps = (kWarpsPerSm / kWarps * sm_count() + busy - 1) / busy * kWarps;
   visit_rows<kMaxRows<Fmt>>(balanced_rows(d.N, warps, kMaxRows<Fmt>), [&](auto rc) {
-    const int slots = token_slots(d.K, d.T, kFixedSmemBytes<Fmt, decltype(rc)::value>);
+    const int slots = token_slots<kWarps>(d.K, d.T, kFixedSmemBytes<Fmt, decltype(rc)::value, kWarps>);
     if (slots == 0) return;
     visit_cols(slots, [&](auto nc) {
       constexpr int kNC = decltype(nc)::value, kR = kRowsWith<kNC, decltype(rc)::value>;
-      launch_persistent<qmatmul_id_kernel<Fmt, kNC, kR>, kR>(stream, a, kFixedSmemBytes<Fmt, kR>, slots, (unsigned)P,
-                                                             busy, true, x, bf16, ids, d.E, (int)d.k, P,
-                                                             slots);
+      launch_persistent<qmatmul_id_kernel<Fmt, kNC, kR>, kR, kWarps>(stream, a, kFixedSmemBytes<Fmt, kR, kWarps>, slots,
+                                                                     (unsigned)P, busy, true, x, bf16, ids, d.E,
+                                                                     (int)d.k, P, slots);
     });
     launched = true;
   });

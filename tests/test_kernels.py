@@ -236,6 +236,25 @@ def test_qmatmul_grouped_equals_one_call_per_group(device, ggml_type):
 
 
 @pytest.mark.parametrize("ggml_type", [GGMLType.Q8_0, GGMLType.IQ2_XXS], ids=lambda t: t.name)
+def test_qmatmul_grouped_ds4_output_shape(device, ggml_type):
+    """DS4's grouped output projection (8 groups of 4096 -> 1024) at T = 4: on GPU every group serves all four
+    tokens in two passes of its rows (two or three tokens fit next to the row buffers); each token's rows equal
+    its 1-token call, and numpy."""
+    rng = np.random.default_rng(13)
+    g, n, k = 8, 1024, 4096
+    w = random_packed(rng, ggml_type, (g, n), k)
+    x = rng.standard_normal((4, g, k)).astype(np.float32)
+    (wd,) = _put(device, w)
+    grouped = jax.jit(functools.partial(kernels.qmatmul_grouped, ggml_type=ggml_type, backend="ffi"))
+    full = np.asarray(grouped(jax.device_put(x, device), wd))
+    dense = formats.dequantize(w, ggml_type, (g, n, k))
+    for j in (0, g - 1):
+        assert_matches_dense(full[:, j], x[:, j], dense[j])
+    for t in range(4):
+        np.testing.assert_array_equal(np.asarray(grouped(jax.device_put(x[t : t + 1], device), wd)), full[t : t + 1])
+
+
+@pytest.mark.parametrize("ggml_type", [GGMLType.Q8_0, GGMLType.IQ2_XXS], ids=lambda t: t.name)
 @pytest.mark.parametrize("bad", [np.nan, np.inf], ids=["nan", "inf"])
 def test_qmatmul_non_finite_activation(device, ggml_type, bad):
     """A NaN or inf activation makes its token's outputs non-finite (never a silent finite value) and leaves
@@ -253,17 +272,19 @@ def test_qmatmul_non_finite_activation(device, ggml_type, bad):
 
 
 @pytest.mark.parametrize("ggml_type", [GGMLType.Q8_0, GGMLType.IQ2_XXS], ids=lambda t: t.name)
-def test_qmatmul_many_rows(device, ggml_type):
-    """Enough rows that the GPU integer path groups 2 or 4 rows per warp (16899 rows: the last group is
-    partial), for T = 1, 3 and 8 against numpy, and row t of the 8-token call equal to the 1-token call."""
+@pytest.mark.parametrize("n, k", [(16899, 1024), (2048, 8192)], ids=["many_rows", "wide_tokens"])
+def test_qmatmul_launch_geometries(device, ggml_type, n, k):
+    """Shapes that take the GPU integer path's other launch geometries: 16899 rows of 1024 weights group 2 or 4
+    rows per warp (the last group partial); 2048 rows of 8192 run one CTA of 16 warps per SM for T > 1 (it
+    stages four such tokens at once) and two CTAs of 8 warps for one token. For T = 8, 4, 3 and 1: right
+    against numpy, and every row equal to the same token's row of the 8-token call."""
     rng = np.random.default_rng(5)
-    n, k = 16899, 1024
     w = random_packed(rng, ggml_type, (n,), k)
     x = rng.standard_normal((8, k)).astype(np.float32)
     dense = formats.dequantize(w, ggml_type, (n, k))
     (wd,) = _put(device, w)
     full = None
-    for t_rows in (8, 3, 1):
+    for t_rows in (8, 4, 3, 1):
         got = np.asarray(_qmatmul(jax.device_put(x[:t_rows], device), wd, ggml_type, "ffi"))
         assert_matches_dense(got, x[:t_rows], dense)
         full = got if full is None else full
