@@ -11,10 +11,15 @@ from __future__ import annotations
 import functools
 import tempfile
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from dsparkjax import kernels
+from dsparkjax.formats import GGMLType
+from dsparkjax.kernels import synthetic
+from dsparkjax.model import weights
 from dsparkjax.model.weights import PackedWeight
 from dsparkjax.spec import generate as generate_module
 from dsparkjax.spec.generate import generate
@@ -80,3 +85,25 @@ def test_exact_spec_equals_greedy_on_packed_ffi_weights():
     assert sum(s.matched for s in spec) > 0 and sum(s.offered - s.matched for s in spec) > 0
     real = generate(target, prompts, drafter=drafter, max_new_tokens=12, stop_tokens=())
     assert [s.token_ids for s in real] == [p.token_ids for p in plain]
+
+
+@needs_plugin
+@pytest.mark.parametrize("groups", [None, 4], ids=["dense", "grouped"])
+def test_many_rows_multiply_a_dense_copy(monkeypatch, groups):
+    """From GEMM_MIN_ROWS rows on, a packed non-expert matmul on the "ffi" backend multiplies the weight's dense
+    copy (the numbers of kernels="dequantize", bit for bit); below, the packed kernel."""
+    monkeypatch.setattr(weights, "GEMM_MIN_ROWS", 6)
+    ggml_type, n, k = int(GGMLType.Q8_0), 48, 128
+    data = synthetic.random_packed(jax.random.key(0), ggml_type, (n,), k)
+    packed = PackedWeight(data, ggml_type, k, jnp.dtype(jnp.bfloat16), "ffi")
+    dense = kernels.dequantize(data, ggml_type, k).astype(jnp.bfloat16)
+    linear = jax.jit(functools.partial(weights.linear, groups=groups))
+    for rows in (5, 6, 9):
+        shape = (rows, k) if groups is None else (rows, groups, k)
+        x = jax.random.normal(jax.random.key(rows), shape, jnp.bfloat16)
+        got, want = np.asarray(linear(x, packed)), np.asarray(linear(x, dense))
+        if rows >= 6:
+            np.testing.assert_array_equal(got, want)
+        else:  # the kernel keeps the weights' and activations' float32 values: close, not the GEMM's bits
+            assert not np.array_equal(got, want)
+            np.testing.assert_allclose(got, want, rtol=0.05, atol=0.02 * np.abs(want).max())

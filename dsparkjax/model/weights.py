@@ -5,10 +5,18 @@ stored in the GGUF, multiplied by the packed quantized matmul kernels (`dsparkja
 jnp reference). Both are held in PyTorch orientation `[out, in]` (`[E, out, in]` for expert stacks), the
 numpy shape of the GGUF tensor. Results are float32; float32 dense weights ask for full float32 precision
 so that GPUs do not silently use TF32.
+
+Packed kernels are matvecs: they read the weights once per tile of at most 8 tokens. A call with many rows
+(batched generation sends batch x width rows to every matmul) therefore multiplies a packed non-expert weight
+through a dense copy made in the graph, in the activation dtype, on XLA's GEMM: the numbers of
+`kernels="dequantize"`, at the cost of reading the packed weight and writing its dense copy once per call.
+Expert stacks keep the kernel, which serves each expert only the tokens that chose it. The row count is a
+static shape, so a program takes one path for all its steps (exact speculative decoding runs one program).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Union
 
 import jax
@@ -33,9 +41,22 @@ class PackedWeight:
 
 Weight = Union[jax.Array, PackedWeight]
 
+# Rows per call from which packed non-expert matmuls on the "ffi" backend go through a dense copy and XLA's
+# GEMM; DSPARKJAX_GEMM_MIN_ROWS overrides it (0: never). On the H200 (docs/PERFORMANCE.md, generation run 6)
+# the copy made the 384-row program of 64 sequences 15% faster and the 64-row one 20% slower; 128 lies
+# below the crossover those two points put near 150 rows.
+GEMM_MIN_ROWS = int(os.environ.get("DSPARKJAX_GEMM_MIN_ROWS", "128"))
+
 
 def _precision(w: jax.Array) -> jax.lax.Precision:
     return jax.lax.Precision.HIGHEST if w.dtype == jnp.float32 else jax.lax.Precision.DEFAULT
+
+
+def dense_copy(w: PackedWeight) -> jax.Array:
+    """w dequantized in the graph, in its activation dtype: `[..., out, in]`."""
+    from dsparkjax import kernels
+
+    return kernels.dequantize(w.data, w.ggml_type, w.in_features).astype(w.dtype)
 
 
 def _packed_linear(x: jax.Array, w: PackedWeight) -> jax.Array:
@@ -66,9 +87,10 @@ def linear(x: jax.Array, w: Weight, *, groups: int | None = None) -> jax.Array:
       float32 `[..., out]`, or `[..., g, r]` when grouped.
     """
     if isinstance(w, PackedWeight):
-        if groups is None:
-            return _packed_linear(x, w)
-        return _packed_grouped_linear(x, w, groups)
+        rows = x.size // (x.shape[-1] * (groups or 1))
+        if w.backend != "ffi" or GEMM_MIN_ROWS <= 0 or rows < GEMM_MIN_ROWS:
+            return _packed_linear(x, w) if groups is None else _packed_grouped_linear(x, w, groups)
+        w = dense_copy(w)
     x = x.astype(w.dtype)
     if groups is None:
         return jnp.einsum("...k,nk->...n", x, w, precision=_precision(w), preferred_element_type=jnp.float32)
