@@ -3,7 +3,7 @@
 For each format, shape and T = 1..--t_max: device time per call, achieved GB/s of weight bytes read (each
 distinct expert counted once), that as a fraction of the device copy bandwidth measured in the same run
 (read + write of --copy_mib buffers, timed by the same slope: `dsparkjax.timing.copy_bandwidth`), and the
-ratio time(T) / time(1).
+ratio time(T) / time(first T).
 
 The time per call is the slope between a program of --calls and one of 2·--calls calls (so the program's
 fixed dispatch cost drops out and each call's launch gap stays in), and the calls rotate over distinct
@@ -11,9 +11,12 @@ weight copies (dense shapes) or distinct expert ids (MoE shapes) so the weights 
 the 50 MB L2 from an earlier call. The calls are independent, so the GPU may overlap neighbouring small
 calls (XLA runs them as one command buffer): the slope is a stream's cost per call, not one kernel's
 duration; `profile_kernel.py` tabulates each kernel alone under Nsight Compute.
-Prints a table; --json_out writes the rows.
+Prints a table; --json_out writes the rows. With --dense_copy the dense and grouped shapes run the model's
+route for calls of many rows instead (`dsparkjax.model.weights`: the weight dequantized in the graph to
+bfloat16, then XLA's GEMM), which sets GEMM_MIN_ROWS: compare it with the kernel at the same --t_rows.
 
   python scripts/bench_kernels.py --formats=Q8_0,IQ2_XXS --t_max=5 --json_out=/tmp/bench.json
+  python scripts/bench_kernels.py --formats=Q8_0 --shapes=attn_a,dense_8k --t_rows=16,64,384 --dense_copy
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from absl import app, flags
 from dsparkjax import kernels
 from dsparkjax.formats import GGMLType
 from dsparkjax.kernels import synthetic
+from dsparkjax.model import weights as model_weights
 from dsparkjax.timing import copy_bandwidth, seconds_per_call
 
 FLAGS = flags.FLAGS
@@ -38,7 +42,9 @@ flags.DEFINE_list(
     "GGMLType names to benchmark",
 )
 flags.DEFINE_list("shapes", "attn_a,wide_b,grouped_o,dense_8k,exp_up6,exp_up24,exp_down6,exp_down24", "shape names")
-flags.DEFINE_integer("t_max", 5, "largest T (rows per call)")
+flags.DEFINE_integer("t_max", 5, "largest T (rows per call): T = 1..t_max")
+flags.DEFINE_list("t_rows", [], "the T values instead of 1..t_max")
+flags.DEFINE_bool("dense_copy", False, "dense and grouped shapes: dense copy + XLA GEMM instead of the kernel")
 flags.DEFINE_integer("calls", 64, "calls of the shorter timed program (the longer one makes twice as many)")
 flags.DEFINE_integer("rotate_mib", 256, "dense shapes rotate over weight copies totalling at least this much")
 flags.DEFINE_integer("reps", 20, "timed repetitions of each program (the fastest is used)")
@@ -80,10 +86,16 @@ def input_shape(name: str, t_rows: int) -> tuple[int, ...]:
 
 def call_kernel(name: str, t: GGMLType, x: jax.Array, w: jax.Array, ids: jax.Array | None, backend: str) -> jax.Array:
     """One call at shape `name` as the model makes it: MoE by expert id, one grouped call for all groups
-    (the grouped output projection), or a dense matmul."""
-    _, _, groups, topk = SHAPES[name]
+    (the grouped output projection), or a dense matmul; with --dense_copy the latter two through the dense
+    copy the model multiplies for calls of many rows."""
+    k_dim, _, groups, topk = SHAPES[name]
     if topk:
         return kernels.qmatmul_id(x, w, ids, t, backend=backend)
+    if FLAGS.dense_copy:
+        rows = w.reshape(-1, w.shape[-1])  # [groups * N, row_bytes], as the model holds a grouped weight
+        packed = model_weights.PackedWeight(rows, int(t), k_dim, jnp.dtype(jnp.bfloat16), backend)
+        dense = model_weights.dense_copy(packed)
+        return model_weights.linear(x if groups > 1 else x[:, 0], dense, groups=groups if groups > 1 else None)
     if groups > 1:
         return kernels.qmatmul_grouped(x, w, t, backend=backend)
     return kernels.qmatmul(x[:, 0], w[0], t, backend=backend)
@@ -94,8 +106,8 @@ def weight_bytes(w: jax.Array, ids: np.ndarray | None) -> int:
     return int(len(np.unique(ids)) * w.shape[1] * w.shape[2]) if ids is not None else int(w.size)
 
 
-def bench_shape(t: GGMLType, name: str, t_max: int) -> list[dict]:
-    """Rows of results for one format and shape, T = 1..t_max."""
+def bench_shape(t: GGMLType, name: str, t_values: list[int]) -> list[dict]:
+    """Rows of results for one format and shape, one per T."""
     topk = SHAPES[name][3]
     key = jax.random.PRNGKey(int(t))
     experts, backend, calls = topk > 0, FLAGS.backend, FLAGS.calls
@@ -112,7 +124,7 @@ def bench_shape(t: GGMLType, name: str, t_max: int) -> list[dict]:
         return prog
 
     rows, base = [], None
-    for t_rows in range(1, t_max + 1):
+    for t_rows in t_values:
         data_key = jax.random.fold_in(key, t_rows)
         xs = [jax.random.normal(jax.random.fold_in(data_key, c), input_shape(name, t_rows), jnp.float32)
               for c in range(2 * calls)]
@@ -125,31 +137,33 @@ def bench_shape(t: GGMLType, name: str, t_max: int) -> list[dict]:
         base = base if base is not None else sec
         rows.append(
             {"format": t.name, "shape": name, "T": t_rows, "us": sec * 1e6, "bytes": int(moved),
-             "gbps": moved / sec / 1e9, "ratio_vs_T1": sec / base}
+             "gbps": moved / sec / 1e9, "ratio_vs_first": sec / base, "dense_copy": FLAGS.dense_copy and not topk}
         )
     return rows
 
 
 def main(argv: list[str]) -> None:
     del argv
-    print(f"jax {jax.__version__}, device {jax.devices()[0].device_kind}, backend {FLAGS.backend}")
+    print(f"jax {jax.__version__}, device {jax.devices()[0].device_kind}, backend {FLAGS.backend}"
+          + (", dense and grouped shapes through the dense copy" if FLAGS.dense_copy else ""))
+    t_values = [int(v) for v in FLAGS.t_rows] or list(range(1, FLAGS.t_max + 1))
     copy_bw = copy_bandwidth(FLAGS.copy_mib, FLAGS.reps)
     print(f"device copy bandwidth (read + write of {FLAGS.copy_mib} MiB buffers, slope of 4 vs 8 copies): "
           f"{copy_bw / 1e9:.0f} GB/s")
-    print(f"{'format':20s} {'shape':11s} {'T':>2s} {'us':>9s} {'GB/s':>7s} {'%copy':>6s} {'T/T1':>5s}")
+    print(f"{'format':20s} {'shape':11s} {'T':>3s} {'us':>9s} {'GB/s':>7s} {'%copy':>6s} {'ratio':>5s}")
     results = []
     for fmt in FLAGS.formats:
         for name in FLAGS.shapes:
-            for r in bench_shape(GGMLType[fmt], name, FLAGS.t_max):
+            for r in bench_shape(GGMLType[fmt], name, t_values):
                 r["frac_copy"] = r["gbps"] * 1e9 / copy_bw
                 results.append(r)
-                print(f"{r['format']:20s} {r['shape']:11s} {r['T']:2d} {r['us']:9.1f} {r['gbps']:7.1f} "
-                      f"{100 * r['frac_copy']:5.0f}% {r['ratio_vs_T1']:5.2f}", flush=True)
+                print(f"{r['format']:20s} {r['shape']:11s} {r['T']:3d} {r['us']:9.1f} {r['gbps']:7.1f} "
+                      f"{100 * r['frac_copy']:5.0f}% {r['ratio_vs_first']:5.2f}", flush=True)
     if FLAGS.json_out:
         with open(FLAGS.json_out, "w") as f:
             json.dump({"jax": jax.__version__, "device": jax.devices()[0].device_kind, "copy_gbps": copy_bw / 1e9,
-                       "backend": FLAGS.backend, "calls": FLAGS.calls, "rotate_mib": FLAGS.rotate_mib,
-                       "rows": results}, f, indent=1)
+                       "backend": FLAGS.backend, "dense_copy": FLAGS.dense_copy, "calls": FLAGS.calls,
+                       "rotate_mib": FLAGS.rotate_mib, "rows": results}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -16,8 +16,8 @@ duration of a 1 GiB copy kernel timed the same way (XLA names it loop_add_fusion
       --configs_out=/tmp/c.json
   python3 scripts/profile_kernel.py --table_from=/tmp/d.csv --configs_in=/tmp/c.json
 
---formats, --shapes and --copy_mib are those of scripts/bench_kernels.py (by default every format and shape,
-and a 1024 MiB copy).
+--formats, --shapes, --t_rows and --copy_mib are those of scripts/bench_kernels.py (by default every format and
+shape, T = 1 and a 1024 MiB copy).
 """
 
 from __future__ import annotations
@@ -42,8 +42,7 @@ from dsparkjax.kernels import synthetic
 from dsparkjax.timing import device_copy
 
 FLAGS = flags.FLAGS
-# --formats and --shapes are bench_kernels.py's flags.
-flags.DEFINE_list("t_rows", ["1"], "tokens per call (T), one call per value")
+# --formats, --shapes and --t_rows are bench_kernels.py's flags.
 flags.DEFINE_string("configs_out", None, "write the calls made, in launch order, to this JSON file")
 flags.DEFINE_string("table_from", None, "instead of running: an ncu --csv log of gpu__time_duration.sum to tabulate")
 flags.DEFINE_string("configs_in", None, "with --table_from: the --configs_out file of the profiled run")
@@ -135,7 +134,7 @@ def main(argv: list[str]) -> None:
     configs = []
     for fmt in FLAGS.formats:
         for shape in FLAGS.shapes:
-            for t_rows in map(int, FLAGS.t_rows):
+            for t_rows in map(int, FLAGS.t_rows or [1]):
                 moved = run_call(GGMLType[fmt], shape, t_rows)
                 configs.append({"format": fmt, "shape": shape, "T": t_rows, "bytes": moved})
     copy_bytes = run_copy(FLAGS.copy_mib << 20) if FLAGS.copy_mib else 0

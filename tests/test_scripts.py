@@ -33,7 +33,19 @@ def test_bench_kernels_rows(tmp_path):
     by_shape = {r["shape"]: r for r in rows if r["T"] == 1}
     assert by_shape["attn_a"]["bytes"] == 1024 * 4096 // 32 * 34  # Q8_0: 34 bytes per 32 weights
     assert by_shape["grouped_o"]["bytes"] == 8 * by_shape["attn_a"]["bytes"]  # all eight groups in one call
-    assert all({"us", "gbps", "frac_copy", "ratio_vs_T1"} <= r.keys() for r in rows)  # timings: not checked on CPU
+    assert all({"us", "gbps", "frac_copy", "ratio_vs_first"} <= r.keys() for r in rows)  # timings: not checked on CPU
+
+
+def test_bench_kernels_dense_copy_at_given_rows(tmp_path):
+    """--dense_copy times the model's many-row route on the dense and grouped shapes (MoE shapes keep the
+    kernel), at the --t_rows given."""
+    out = tmp_path / "bench.json"
+    proc = run_script("bench_kernels.py", "--formats=Q8_0", "--shapes=grouped_o,exp_up6", "--t_rows=3,5",
+                      "--dense_copy", "--calls=2", "--reps=1", "--copy_mib=8", "--rotate_mib=1", f"--json_out={out}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["shape"], r["T"], r["dense_copy"]) for r in rows] == [
+        ("grouped_o", 3, True), ("grouped_o", 5, True), ("exp_up6", 3, False), ("exp_up6", 5, False)]
 
 
 def test_profile_kernel_records_its_calls_and_copies(tmp_path):
