@@ -89,12 +89,19 @@ def test_exact_spec_equals_greedy_on_packed_ffi_weights():
 
 @needs_plugin
 @pytest.mark.parametrize("groups", [None, 4], ids=["dense", "grouped"])
-def test_many_rows_multiply_a_dense_copy(monkeypatch, groups):
-    """From GEMM_MIN_ROWS rows on, a packed non-expert matmul on the "ffi" backend multiplies the weight's dense
-    copy (the numbers of kernels="dequantize", bit for bit); below, the packed kernel."""
-    monkeypatch.setattr(weights, "GEMM_MIN_ROWS", 6)
+@pytest.mark.parametrize("rule", ["rows", "large_weight"])
+def test_many_rows_multiply_a_dense_copy(monkeypatch, groups, rule):
+    """From GEMM_MIN_ROWS rows on (or GEMM_MIN_ROWS_LARGE for a weight of LARGE_WEIGHT_BYTES), a packed
+    non-expert matmul on the "ffi" backend multiplies the weight's dense copy (the numbers of
+    kernels="dequantize", bit for bit); below, the packed kernel."""
     ggml_type, n, k = int(GGMLType.Q8_0), 48, 128
     data = synthetic.random_packed(jax.random.key(0), ggml_type, (n,), k)
+    if rule == "rows":
+        monkeypatch.setattr(weights, "GEMM_MIN_ROWS", 6)
+    else:
+        monkeypatch.setattr(weights, "GEMM_MIN_ROWS", 1000)
+        monkeypatch.setattr(weights, "GEMM_MIN_ROWS_LARGE", 6)
+        monkeypatch.setattr(weights, "LARGE_WEIGHT_BYTES", data.size)
     packed = PackedWeight(data, ggml_type, k, jnp.dtype(jnp.bfloat16), "ffi")
     dense = kernels.dequantize(data, ggml_type, k).astype(jnp.bfloat16)
     linear = jax.jit(functools.partial(weights.linear, groups=groups))

@@ -8,10 +8,11 @@ so that GPUs do not silently use TF32.
 
 Packed kernels are matvecs: they read the weights once per tile of at most 8 tokens. A call with many rows
 (batched generation sends batch x width rows to every matmul) therefore multiplies a packed non-expert weight
-through a dense copy made in the graph, in the activation dtype, on XLA's GEMM: the numbers of
-`kernels="dequantize"`, at the cost of reading the packed weight and writing its dense copy once per call.
-Expert stacks keep the kernel, which serves each expert only the tokens that chose it. The row count is a
-static shape, so a program takes one path for all its steps (exact speculative decoding runs one program).
+through a dense copy made in the graph, in the activation dtype: the numbers of `kernels="dequantize"`, on
+XLA's GEMM, which on the H200 fuses the dequantization into the GEMM's operand loads for DS4's large
+projections (so it reads the packed bytes once). Expert stacks keep the kernel, which serves each expert only
+the tokens that chose it. The row count is a static shape, so a program takes one route for all its steps
+(exact speculative decoding runs one program).
 """
 
 from __future__ import annotations
@@ -41,11 +42,23 @@ class PackedWeight:
 
 Weight = Union[jax.Array, PackedWeight]
 
-# Rows per call from which packed non-expert matmuls on the "ffi" backend go through a dense copy and XLA's
-# GEMM; DSPARKJAX_GEMM_MIN_ROWS overrides it (0: never). On the H200 (docs/PERFORMANCE.md, generation run 6)
-# the copy made the 384-row program of 64 sequences 15% faster and the 64-row one 20% slower; 128 lies
-# below the crossover those two points put near 150 rows.
+# Packed non-expert matmuls on the "ffi" backend go through a dense copy and XLA's GEMM from GEMM_MIN_ROWS
+# rows per call, and from GEMM_MIN_ROWS_LARGE rows for weights of LARGE_WEIGHT_BYTES packed bytes or more.
+# DSPARKJAX_GEMM_MIN_ROWS overrides the first (0: the kernels always). On the H200 (docs/PERFORMANCE.md):
+# the benchmark model's matrices (at most 9 MB) made the 384-row program 15% faster and the 64-row one 20%
+# slower (generation run 6; 128 lies below the crossover those points put near 150 rows); DS4's 36 MB Q8_0
+# projections run 5x faster through the copy at 8 rows (8192 -> 4096: 53.8 -> 9.8 us per call, kernel run 10)
+# and at every larger row count measured.
 GEMM_MIN_ROWS = int(os.environ.get("DSPARKJAX_GEMM_MIN_ROWS", "128"))
+GEMM_MIN_ROWS_LARGE = 8
+LARGE_WEIGHT_BYTES = 16 << 20
+
+
+def takes_dense_copy(w: PackedWeight, rows: int) -> bool:
+    """Whether a call of `rows` rows multiplies w through its dense copy (the constants above)."""
+    if w.backend != "ffi" or GEMM_MIN_ROWS <= 0:
+        return False
+    return rows >= GEMM_MIN_ROWS or (rows >= GEMM_MIN_ROWS_LARGE and w.data.size >= LARGE_WEIGHT_BYTES)
 
 
 def _precision(w: jax.Array) -> jax.lax.Precision:
@@ -87,8 +100,7 @@ def linear(x: jax.Array, w: Weight, *, groups: int | None = None) -> jax.Array:
       float32 `[..., out]`, or `[..., g, r]` when grouped.
     """
     if isinstance(w, PackedWeight):
-        rows = x.size // (x.shape[-1] * (groups or 1))
-        if w.backend != "ffi" or GEMM_MIN_ROWS <= 0 or rows < GEMM_MIN_ROWS:
+        if not takes_dense_copy(w, x.size // (x.shape[-1] * (groups or 1))):
             return _packed_linear(x, w) if groups is None else _packed_grouped_linear(x, w, groups)
         w = dense_copy(w)
     x = x.astype(w.dtype)
