@@ -26,8 +26,8 @@
 namespace i8 {
 
 // Warps per SM these kernels are laid out for (launch bounds, token_slots, pick_rows): two CTAs of kWarps, or,
-// for dense calls whose tokens two CTAs cannot stage at once, one CTA of kWideWarps, which stages them once per
-// SM instead of twice (launch_qmatmul). A third CTA of 8 warps per SM, where shared memory would allow it,
+// for most dense calls (launch_qmatmul says which), one CTA of kWideWarps, which stages the tokens once per SM
+// instead of twice. A third CTA of 8 warps per SM, where shared memory would allow it,
 // measured slower (run 6: 20-30% on the IQ2_XXS expert shapes; run 7: with smaller IQ2_XXS tables, 19% on
 // grouped_o, its rows no longer split evenly across the warps).
 constexpr int kWarpsPerSm = 16;
