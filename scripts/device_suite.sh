@@ -7,8 +7,9 @@
 # dsparkjax/_lib (built here with `DSPARKJAX_CUDA=ON`, sm_90) skip the 2-minute build on the device. The whole suite takes
 # about 9-10 minutes (a device call's limit is 10): pass section names to run fewer, e.g.
 #   bash scripts/device_suite.sh kernels generate        (the build runs unless plugins are carried)
-# Not run by default: `durations` (every kernel benchmark call's kernel time alone, under Nsight Compute) and
-# `profile` (one call of each of two kernels in depth).
+# Not run by default: `durations` (every kernel benchmark call's kernel time alone, under Nsight Compute),
+# `profile` (one call of each of two kernels in depth) and `routes` (the packed kernel against the model's
+# dense copy on XLA's GEMM at small and large row counts: what sets GEMM_MIN_ROWS in model/weights.py).
 set -uo pipefail
 SECTIONS="${*:-tests kernels generate}"
 want() { [[ " $SECTIONS " == *" $1 "* ]]; }
@@ -50,6 +51,13 @@ ncu --clock-control none -k regex:'qmatmul|loop_add_fusion' --metrics gpu__time_
   --copy_mib=1024 --copy_sizes_mb=1.1,4.4,13.4,35.6 --configs_out="$OUT/configs.json" > "$OUT/durations.log" 2>&1
 python3 scripts/profile_kernel.py --table_from="$OUT/durations.csv" --configs_in="$OUT/configs.json" \
   | tee "$OUT/durations.txt"
+fi
+if want routes; then  # about three minutes
+echo "== kernel vs dense copy + GEMM, Q8_0 dense shapes, T = 1..384 (32-call programs: shorter ones mislead)"
+for route in "" "--dense_copy"; do
+  python3 scripts/bench_kernels.py --formats=Q8_0 --shapes=attn_a,wide_b,grouped_o,dense_8k \
+    --t_rows=1,2,4,8,16,64,384 --calls=32 --reps=10 --copy_mib=256 $route 2>&1 | grep -v '^[IW][0-9]'
+done
 fi
 if want profile; then  # not in the default set: about a minute, one Nsight Compute report per call
 echo "== ncu: one IQ2_XXS expert call and one Q8_0 attention call"
