@@ -574,13 +574,19 @@ int token_slots(int64_t K, int64_t wanted, int fixed_smem) {
   return (int)(shared > 0 ? shared : fit(smem_optin() - 1024));
 }
 
+// CTAs of W warps it takes to give each group of R rows (of N) a warp of its own.
+template <int W>
+int64_t ctas_for_rows(int64_t N, int R) {
+  return ((N + R - 1) / R + W - 1) / W;
+}
+
 // Tokens per CTA of W warps a dense call asks for: all T, unless its rows need fewer CTAs than the device
-// holds; then the tokens split into tiles (grid y) that fill it. Attention's 1024 rows take 128 CTAs of 264:
-// at T = 4, two tiles of two tokens ran about 15% faster than one tile of four (run 7).
+// holds; then the tokens split into tiles (grid y) that fill it. Attention's 1024 rows take 64 CTAs of 16
+// warps on 132 SMs: at T = 4 two tiles of two tokens (two tiles also ran about 15% faster than one of four
+// with 8-warp CTAs, run 7).
 template <int W>
 int64_t tile_tokens(int64_t T, int64_t N, int R) {
-  const int64_t ctas_needed = ((N + R - 1) / R + W - 1) / W;
-  const int64_t tiles = std::clamp<int64_t>(kWarpsPerSm / W * sm_count() / ctas_needed, 1, T);
+  const int64_t tiles = std::clamp<int64_t>(kWarpsPerSm / W * sm_count() / ctas_for_rows<W>(N, R), 1, T);
   return (T + tiles - 1) / tiles;
 }
 
@@ -601,7 +607,7 @@ template <auto kKernel, int R, int W, class... A>
 void launch_persistent(gpuStream_t stream, const Args& a, int fixed_smem, int slots, unsigned ny, int busy_y,
                        bool round_up, A... args) {
   const int smem = fixed_smem + (int)(slots * x_token_bytes(a.K));
-  const int64_t groups = (a.N + R - 1) / R, ctas_needed = (groups + W - 1) / W;
+  const int64_t ctas_needed = ctas_for_rows<W>(a.N, R);
   const int64_t resident = resident_ctas<kKernel, W>(smem);
   const int64_t per_y = std::max<int64_t>(1, (resident + (round_up ? busy_y - 1 : 0)) / busy_y);
   kKernel<<<dim3((unsigned)std::min(ctas_needed, per_y), ny), W * kLanes, smem, stream>>>(a, args...);
@@ -629,8 +635,7 @@ bool launch_qmatmul(gpuStream_t stream, const QDims& d, const uint8_t* w, const 
   if (a.copy_bytes == 0) return launched;
   visit_rows<kMaxRows<Fmt>>(pick_rows(d.N), [&](auto rc) {
     constexpr int kR = decltype(rc)::value;
-    const int64_t wide_ctas = ((d.N + kR - 1) / kR + kWideWarps - 1) / kWideWarps;
-    if (d.T == 1 && wide_ctas < sm_count()) {
+    if (d.T == 1 && ctas_for_rows<kWideWarps>(d.N, kR) < sm_count()) {
       launched = token_slots<kWarps>(d.K, 1, kFixedSmemBytes<Fmt, kR, kWarps>) == 1;
       if (launched) launch_tiles<Fmt, 1, kR, kWarps>(stream, d, a, 1, x, bf16);
       return;
