@@ -25,15 +25,13 @@
 
 namespace i8 {
 
-// Warps per SM these kernels are laid out for (launch bounds, token_slots, pick_rows): two CTAs of kWarps, or,
+// Warps per SM these kernels are laid out for (launch bounds, token_slots, the rows per group): two CTAs of kWarps, or,
 // for most dense calls (launch_qmatmul says which), one CTA of kWideWarps, which stages the tokens once per SM
 // instead of twice. A third CTA of 8 warps per SM, where shared memory would allow it,
 // measured slower (run 6: 20-30% on the IQ2_XXS expert shapes; run 7: with smaller IQ2_XXS tables, 19% on
 // grouped_o, its rows no longer split evenly across the warps).
 constexpr int kWarpsPerSm = 16;
 constexpr int kWarps = 8, kWideWarps = 16;
-constexpr int kSubPerLane = 2;  // independent 32-weight sub-blocks per lane per chunk (instruction-level parallelism)
-constexpr int kSubPerChunk = kSubPerLane * kLanes;
 
 // ---- activations in shared memory ----
 // Token slot i of a CTA: its limbs at i·3K bytes, as 6 arrays of K/32 16-byte words: array 2l+h holds half h
@@ -176,8 +174,8 @@ template <class Fmt>
 struct Sub;
 
 template <>
-struct Sub<FmtQ8_0> {  // half d @0; int8 qs[32] @2: a chunk is 64 blocks
-  static constexpr int kChunkBytes = kSubPerChunk * 34;
+struct Sub<FmtQ8_0> {  // half d @0; int8 qs[32] @2: one block per sub-block
+  static constexpr int bytes_of(int subs) { return subs * 34; }
   static constexpr int kTableBytes = 0;
   __device__ __forceinline__ static float decode(const uint8_t* chunk, int sub, uint32_t q[8], const Tables&) {
     const uint32_t b = 34u * (uint32_t)sub;
@@ -194,8 +192,8 @@ struct Sub<FmtQ8_0> {  // half d @0; int8 qs[32] @2: a chunk is 64 blocks
 };
 
 template <>
-struct Sub<FmtIQ2_XXS> {  // half d @0; 8 x (u8 grid index[4], u32 signs|scale) @2: a chunk is 8 blocks
-  static constexpr int kChunkBytes = kSubPerChunk / 8 * 66;
+struct Sub<FmtIQ2_XXS> {  // half d @0; 8 x (u8 grid index[4], u32 signs|scale) @2: 8 sub-blocks per block
+  static constexpr int bytes_of(int subs) { return subs / 8 * 66; }
   static constexpr int kTableBytes = kGridBytes + kSignBytes;
   __device__ __forceinline__ static float decode(const uint8_t* chunk, int sub, uint32_t q[8], const Tables& tab) {
     const uint32_t blk = 66u * (uint32_t)(sub >> 3);
@@ -281,11 +279,26 @@ struct Cursor {
   }
 };
 
-// Stages of a warp's copy ring: enough that about 4 KB of each warp's rows are in flight while it computes.
-template <class Fmt, int R>
-constexpr int kStages = std::min(8, std::max(2, 1 + (4096 + R * Sub<Fmt>::kChunkBytes - 1) / (R * Sub<Fmt>::kChunkBytes)));
+// A chunk of a group's K: S sub-blocks per lane (sub-block h·32 + lane of the chunk is lane's h-th), staged
+// per row at a 16-byte aligned stride (+ 4: the decoders read one word past a row).
+template <class Fmt, int S>
+struct Chunk {
+  static constexpr int kSubs = S * kLanes;
+  static constexpr int kBytes = Sub<Fmt>::bytes_of(kSubs);
+  static constexpr int kRowStride = (kBytes + 4 + 15) / 16 * 16;
+};
+
+// Sub-blocks per lane per chunk. Two give one token's loop two independent sub-blocks (instruction-level
+// parallelism); with several tokens per pass the tokens give it, and a Q8_0 chunk of one sub-block per lane
+// (1 KB per row instead of 2) leaves room for more rows per group next to the tokens' activations, each
+// activation load then serving more rows. IQ2_XXS chunks are small either way (528 bytes per row at two).
+constexpr int kSubPerLaneOne = 2;
 template <class Fmt>
-constexpr int kRowStride = (Sub<Fmt>::kChunkBytes + 4 + 15) / 16 * 16;  // + 4: the decoders read one word past a row
+constexpr int kSubPerLaneMany = Chunk<Fmt, 2>::kBytes > 1024 ? 1 : 2;
+
+// Stages of a warp's copy ring: enough that about 4 KB of each warp's rows are in flight while it computes.
+template <class Fmt, int R, int S>
+constexpr int kStages = std::min(8, std::max(2, 1 + (4096 + R * Chunk<Fmt, S>::kBytes - 1) / (R * Chunk<Fmt, S>::kBytes)));
 
 // Integer dot products start from the bits of 1.5·2^23 (kBiasedZero), so a sum |i| < 2^22 lands in the mantissa of
 // 1.5·2^23 + i and one subtraction gives i as a float, exactly.
@@ -296,13 +309,13 @@ __device__ __forceinline__ float unbias(int biased) { return __fsub_rn(__int_as_
 // slots: exact int32 limb dot products (their summation order is free: integer adds are exact), then one fixed
 // fp32 sequence into acc. A group's rows past N hold copies of its last row (see warp_rows), so every row is
 // computed without a branch and only the stores skip them.
-template <class Fmt, int NC, int R>
+template <class Fmt, int NC, int R, int S>
 __device__ __forceinline__ void sub_block(const XView& xv, int ncols, const uint8_t* st, int sub, int sb,
                                           const Tables& tab, float (&acc)[R][NC]) {
   uint32_t q[R][8];
   float dw[R];
 #pragma unroll
-  for (int r = 0; r < R; ++r) dw[r] = Sub<Fmt>::decode(st + r * kRowStride<Fmt>, sub, q[r], tab);
+  for (int r = 0; r < R; ++r) dw[r] = Sub<Fmt>::decode(st + r * Chunk<Fmt, S>::kRowStride, sub, q[r], tab);
 #pragma unroll
   for (int t = 0; t < NC; ++t) {
     if (t < ncols) {
@@ -332,47 +345,55 @@ __device__ __forceinline__ void sub_block(const XView& xv, int ncols, const uint
   }
 }
 
-// Starts this lane's share of the asynchronous copy of R rows' chunks in V-byte pieces: `src` and `dst` point
-// at the lane's first piece (row r at src + rows[r] and dst + r · kRowStride), `len` is the chunk's length
-// from there; the lane copies every 32nd piece.
-template <int V, class Fmt, int R>
-__device__ __forceinline__ void copy_rows(uint8_t* dst, const uint8_t* src, const int64_t (&rows)[R], int len) {
+// Starts this lane's share of the asynchronous copy of R rows' chunks (at most CB bytes each) in V-byte
+// pieces: row r from src[r] to dst + r · `stride`, both at the lane's first piece, `len` the chunk's length
+// from there; the lane copies every 32nd piece. The loop is unrolled over a chunk's pieces with constant
+// offsets (a rolled loop with 64-bit address arithmetic per piece cost about as many instructions per chunk as
+// a token's dot products at T = 1).
+template <int V, int CB, int R>
+__device__ __forceinline__ void copy_rows(gpu_smem_t dst, int stride, const uint8_t* const (&src)[R], int len) {
+  constexpr int kStep = kLanes * V;
 #pragma unroll
   for (int r = 0; r < R; ++r) {
-#pragma unroll 1
-    for (int o = 0; o < len; o += kLanes * V) gpu_copy_async(dst + r * kRowStride<Fmt> + o, src + rows[r] + o, V);
+#pragma unroll
+    for (int o = 0; o < CB; o += kStep)
+      if (o < len) gpu_copy_async(dst + r * stride + o, src[r] + o, V);
   }
 }
 
 // One warp of a CTA of W: its groups of R rows (group0, group0 + stride, ...) times the first ncols tokens of
 // xs; output of token slot t goes to row y_rows[t] of a.y. The warp starts its first weight copies, then takes
 // part in staging the CTA's activations (so their global loads overlap), then computes.
-template <class Fmt, int NC, int R, int W>
+template <class Fmt, int NC, int R, int W, int S>
 __device__ void warp_rows(const Args& a, const XSource& xs, const int* y_rows, int ncols, int64_t group0, int64_t stride,
                           uint8_t* stages, const Tables& tab) {
-  constexpr int CB = Sub<Fmt>::kChunkBytes, RS = kRowStride<Fmt>, D = kStages<Fmt, R>;
+  using C = Chunk<Fmt, S>;
+  constexpr int CB = C::kBytes, RS = C::kRowStride, D = kStages<Fmt, R, S>;
   const int lane = threadIdx.x % kLanes;
   const int64_t ngroups = (a.N + R - 1) / R;
-  const int nsub = (int)(a.K / 32), nchunks = (nsub + kSubPerChunk - 1) / kSubPerChunk;
+  const int nsub = (int)(a.K / 32), nchunks = (nsub + C::kSubs - 1) / C::kSubs;
   // Bytes per row of a whole chunk and of the last one, from this lane's first copy piece (lane · v) on.
   const int v = a.copy_bytes;
   const int len_full = CB - lane * v, len_last = (int)(a.row_bytes - (int64_t)(nchunks - 1) * CB) - lane * v;
   Cursor in{group0, 0}, at{group0, 0};  // next item to copy, item to compute
   int slot_in = 0, slot_at = 0;
+  const uint8_t* src[R];  // chunk `in.chunk` of the rows of group `in.group`, from this lane's first copy piece on
   // Starts copying item `in` into stage slot_in, then commits the copy group (also when there is nothing to
   // copy, so group counting stays uniform). A group's rows past N copy its last row again.
   auto issue = [&]() {
     if (in.group < ngroups) {
-      const int64_t row0 = in.group * R;
-      int64_t rows[R];
+      if (in.chunk == 0) {
+        const int64_t row0 = in.group * R;
 #pragma unroll
-      for (int r = 0; r < R; ++r) rows[r] = (row0 + r < a.N ? row0 + r : a.N - 1) * a.row_bytes;
-      const uint8_t* src = a.w + in.chunk * CB + lane * v;
-      uint8_t* dst = stages + slot_in * R * RS + lane * v;
+        for (int r = 0; r < R; ++r) src[r] = a.w + (row0 + r < a.N ? row0 + r : a.N - 1) * a.row_bytes + lane * v;
+      }
+      const gpu_smem_t dst = gpu_smem(stages) + (slot_in * R * RS + lane * v);
       const int len = in.chunk == nchunks - 1 ? len_last : len_full;
-      if (v == 16) copy_rows<16, Fmt, R>(dst, src, rows, len);
-      else if (v == 8) copy_rows<8, Fmt, R>(dst, src, rows, len);
-      else copy_rows<4, Fmt, R>(dst, src, rows, len);
+      if (v == 16) copy_rows<16, CB, R>(dst, RS, src, len);
+      else if (v == 8) copy_rows<8, CB, R>(dst, RS, src, len);
+      else copy_rows<4, CB, R>(dst, RS, src, len);
+#pragma unroll
+      for (int r = 0; r < R; ++r) src[r] += CB;
       in.next(stride, nchunks);
     }
     gpu_copy_commit();
@@ -393,10 +414,10 @@ __device__ void warp_rows(const Args& a, const XSource& xs, const int* y_rows, i
     }
     const uint8_t* st = stages + slot_at * R * RS;
 #pragma unroll
-    for (int h = 0; h < kSubPerLane; ++h) {
+    for (int h = 0; h < S; ++h) {
       const int sub = h * kLanes + lane;
-      const int sb = at.chunk * kSubPerChunk + sub;
-      if (sb < nsub) sub_block<Fmt, NC, R>(xv, ncols, st, sub, sb, tab, acc);
+      const int sb = at.chunk * C::kSubs + sub;
+      if (sb < nsub) sub_block<Fmt, NC, R, S>(xv, ncols, st, sub, sb, tab, acc);
     }
     if (at.chunk == nchunks - 1) {
       // V outputs, a power of two <= kLanes: lanes that differ only in bits below kLanes / V end with the same
@@ -416,20 +437,20 @@ __device__ void warp_rows(const Args& a, const XSource& xs, const int* y_rows, i
 
 // Shared memory of one CTA of W warps: the tables, per warp kStages stages of R staged row chunks, then the
 // activations of up to `slots` tokens (slots * x_token_bytes(K)).
-template <class Fmt, int R>
-constexpr int kWarpStageBytes = kStages<Fmt, R> * R * kRowStride<Fmt>;
-template <class Fmt, int R, int W>
-constexpr int kFixedSmemBytes = Sub<Fmt>::kTableBytes + W * kWarpStageBytes<Fmt, R>;
+template <class Fmt, int R, int S>
+constexpr int kWarpStageBytes = kStages<Fmt, R, S> * R * Chunk<Fmt, S>::kRowStride;
+template <class Fmt, int R, int W, int S>
+constexpr int kFixedSmemBytes = Sub<Fmt>::kTableBytes + W * kWarpStageBytes<Fmt, R, S>;
 
-template <class Fmt, int NC, int R, int W>
+template <class Fmt, int NC, int R, int W, int S>
 __device__ void cta_rows(const Args& a, const XSource& xs, const int* y_rows, int ncols, uint8_t* smem, const Tables& tab) {
   const int warp = threadIdx.x / kLanes;
-  uint8_t* stages = smem + Sub<Fmt>::kTableBytes + warp * kWarpStageBytes<Fmt, R>;
-  warp_rows<Fmt, NC, R, W>(a, xs, y_rows, ncols, (int64_t)blockIdx.x * W + warp, (int64_t)gridDim.x * W, stages, tab);
+  uint8_t* stages = smem + Sub<Fmt>::kTableBytes + warp * kWarpStageBytes<Fmt, R, S>;
+  warp_rows<Fmt, NC, R, W, S>(a, xs, y_rows, ncols, (int64_t)blockIdx.x * W + warp, (int64_t)gridDim.x * W, stages, tab);
 }
 
 // Dense: grid (persistent CTAs of W warps, token tiles of `slots` tokens).
-template <class Fmt, int NC, int R, int W>
+template <class Fmt, int NC, int R, int W, int S>
 __global__ void __launch_bounds__(W * kLanes, kWarpsPerSm / W) qmatmul_kernel(Args a, const void* __restrict__ x,
                                                                               bool bf16, int64_t T, int slots) {
   extern __shared__ __align__(16) uint8_t smem[];
@@ -439,14 +460,14 @@ __global__ void __launch_bounds__(W * kLanes, kWarpsPerSm / W) qmatmul_kernel(Ar
   const int ncols = (int)(T - t0 < slots ? T - t0 : slots);
   if (threadIdx.x < kMaxCols) s_rows[threadIdx.x] = (int)(t0 + threadIdx.x);
   __syncthreads();
-  cta_rows<Fmt, NC, R, W>(a, XSource{x, bf16, a.K, s_rows, ncols, slots, smem + kFixedSmemBytes<Fmt, R, W>}, s_rows,
-                          ncols, smem, tab);
+  cta_rows<Fmt, NC, R, W, S>(a, XSource{x, bf16, a.K, s_rows, ncols, slots, smem + kFixedSmemBytes<Fmt, R, W, S>},
+                             s_rows, ncols, smem, tab);
 }
 
 // MoE: grid (persistent CTAs, slot p). The CTAs of slot p serve expert ids[p] only if p is its first slot,
 // then loop over all slots choosing it, `slots` (<= NC) at a time: each selected expert is read once per call
 // when no more than `slots` tokens chose it.
-template <class Fmt, int NC, int R>
+template <class Fmt, int NC, int R, int S>
 __global__ void __launch_bounds__(kWarps * kLanes, kWarpsPerSm / kWarps)
     qmatmul_id_kernel(Args a, const void* __restrict__ x, bool bf16, const int32_t* __restrict__ ids, int64_t E, int topk,
                       int P, int slots) {
@@ -468,8 +489,8 @@ __global__ void __launch_bounds__(kWarps * kLanes, kWarpsPerSm / kWarps)
       for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < ncols * a.N; i += stride)
         a.y[(int64_t)s_cols.y_row[i / a.N] * a.N + i % a.N] = 0.0f;
     } else {
-      const XSource xs{x, bf16, a.K, s_cols.x_row, ncols, slots, smem + kFixedSmemBytes<Fmt, R, kWarps>};
-      cta_rows<Fmt, NC, R, kWarps>(ae, xs, s_cols.y_row, ncols, smem, tab);
+      const XSource xs{x, bf16, a.K, s_cols.x_row, ncols, slots, smem + kFixedSmemBytes<Fmt, R, kWarps, S>};
+      cta_rows<Fmt, NC, R, kWarps, S>(ae, xs, s_cols.y_row, ncols, smem, tab);
     }
     __syncthreads();  // every warp is done with this pass's activations and columns before the next pass
   }
@@ -514,9 +535,9 @@ int resident_ctas(int smem) {
   return cached_ctas;
 }
 
-// Rows per group of a dense call: the largest R <= 4 that still gives every resident warp (kWarpsPerSm per
-// SM) two groups of rows. (balanced_rows would take R = 2 for 8192 -> 4096, 9% faster for IQ2_XXS at
-// T = 1, but with half the token slots at K = 8192: 41% slower at T = 64, run 9.)
+// Rows per group of a one-token dense call: the largest R <= 4 that still gives every resident warp
+// (kWarpsPerSm per SM) two groups of rows. (balanced_rows would take R = 2 for 8192 -> 4096, 9% faster for
+// IQ2_XXS at T = 1, but with half the token slots at K = 8192: 41% slower at T = 64, run 9.)
 inline int pick_rows(int64_t rows_total) {
   const int64_t resident_warps = (int64_t)kWarpsPerSm * sm_count();
   int R = 4;
@@ -534,6 +555,25 @@ inline int balanced_rows(int64_t N, int64_t warps, int max_rows) {
   for (int R = 2; R <= max_rows; R *= 2)
     if (busiest(R) <= bound) best = R;
   return best;
+}
+
+// Passes over the weights that `tokens` take with `slots` token slots per pass (a large count for none).
+inline int64_t passes(int64_t tokens, int slots) { return slots > 0 ? (tokens + slots - 1) / slots : INT64_MAX; }
+
+// Token slots per pass for `tokens` tokens and at most `slots` per pass: as few passes, evenly filled (8 tokens
+// with room for 5 run two passes of 4, not 5 and 3: the kernel of 4 columns, and no pass longer than needed).
+inline int even_slots(int64_t tokens, int slots) {
+  return slots > 0 ? (int)((tokens + passes(tokens, slots) - 1) / passes(tokens, slots)) : 0;
+}
+
+// Rows per group for passes of `tokens` tokens: R (a power of two) halved until its copy rings leave room for
+// as few passes as one row per group (`slots_of(R)` slots per pass): more rows per group share each activation
+// load, but not at the price of another pass over the weights.
+template <class F>
+int rows_with_room(int R, int64_t tokens, F&& slots_of) {
+  const int64_t one = passes(tokens, slots_of(1));
+  while (R > 1 && passes(tokens, slots_of(R)) > one) R /= 2;
+  return R;
 }
 
 // Calls f(std::integral_constant<int, R>) for R in {1, 2, 4}, R <= kMaxR (wider column counts need the
@@ -590,9 +630,16 @@ int64_t tile_tokens(int64_t T, int64_t N, int R) {
   return (T + tiles - 1) / tiles;
 }
 
-// Largest R per format: a Q8_0 chunk is 2 KB per row, so four rows' copy rings would crowd out the activations.
-template <class Fmt>
-constexpr int kMaxRows = Sub<Fmt>::kChunkBytes > 1024 ? 2 : 4;
+// Largest R per chunk: four rows' chunks in at most 4.5 KB per stage (Q8_0 with two sub-blocks per lane has
+// 2 KB per row, and four rows' copy rings would crowd out the activations).
+template <class Fmt, int S>
+constexpr int kMaxRows = 4 * Chunk<Fmt, S>::kBytes <= 4608 ? 4 : 2;
+
+// kFixedSmemBytes for a run-time R in {1, 2, 4}.
+template <class Fmt, int W, int S>
+int fixed_smem_bytes(int R) {
+  return R >= 4 ? kFixedSmemBytes<Fmt, 4, W, S> : R == 2 ? kFixedSmemBytes<Fmt, 2, W, S> : kFixedSmemBytes<Fmt, 1, W, S>;
+}
 
 // Rows per group with NC token columns: eight columns leave registers for at most two rows.
 template <int NC, int R>
@@ -613,70 +660,114 @@ void launch_persistent(gpuStream_t stream, const Args& a, int fixed_smem, int sl
   kKernel<<<dim3((unsigned)std::min(ctas_needed, per_y), ny), W * kLanes, smem, stream>>>(a, args...);
 }
 
-// Launches the dense matmul: CTAs of W warps, tiles of `slots` <= NC tokens.
-template <class Fmt, int NC, int R, int W>
+// Launches the dense matmul: CTAs of W warps, tiles of `slots` <= NC tokens, S sub-blocks per lane and chunk.
+template <class Fmt, int NC, int R, int W, int S>
 void launch_tiles(gpuStream_t stream, const QDims& d, const Args& a, int slots, const void* x, bool bf16) {
   constexpr int kR = kRowsWith<NC, R>;
   const unsigned tiles = (unsigned)((d.T + slots - 1) / slots);
-  launch_persistent<qmatmul_kernel<Fmt, NC, kR, W>, kR, W>(stream, a, kFixedSmemBytes<Fmt, kR, W>, slots, tiles,
-                                                          (int)tiles, false, x, bf16, d.T, slots);
+  launch_persistent<qmatmul_kernel<Fmt, NC, kR, W, S>, kR, W>(stream, a, kFixedSmemBytes<Fmt, kR, W, S>, slots, tiles,
+                                                             (int)tiles, false, x, bf16, d.T, slots);
 }
 
-// Launches the integer-path matmul; false (nothing launched) when the call does not fit it. One CTA of
-// kWideWarps per SM stages the tokens once per SM instead of twice, and has room for twice as many (kernel run
-// 10: 8192 -> 4096 at T = 1 15.8 -> 14.3 us for Q8_0, 15.6 -> 14.1 for IQ2_XXS; at T = 4 one tile of four tokens
-// instead of two of two, 32.4 -> 29.5; attn_a at T = 4 9.8 -> 8.7). Only a T = 1 call whose rows need fewer
-// wide CTAs than the device has SMs takes two CTAs of kWarps, which spread its rows over all SMs (attn_a at
-// T = 1 as 64 wide CTAs: 6.0 -> 6.4 us).
+// The launch arguments with the widest copy that the rows, a chunk of S sub-blocks per lane and the base address
+// allow (copy_bytes 0: none, the call takes the float path).
+template <class Fmt, int S>
+Args args_for(const QDims& d, const uint8_t* w, float* y) {
+  return Args{w, y, d.N, d.K, d.row_bytes, copy_width(w, d.row_bytes, Chunk<Fmt, S>::kBytes)};
+}
+
+// Launches the integer-path matmul; false (nothing launched) when the call does not fit it.
+// Several tokens: one CTA of kWideWarps per SM, tiles of tokens that fill the device, kSubPerLaneMany
+// sub-blocks per lane and rows per group by balance and room. One CTA of kWideWarps per SM stages the tokens
+// once per SM instead of twice, and has room for twice as many (kernel run 10: 8192 -> 4096 at T = 4 one tile
+// of four tokens instead of two of two, 32.4 -> 29.5 us; attn_a at T = 4 9.8 -> 8.7).
+// One token per tile (T = 1, or tokens that do not fit two to a CTA): pick_rows, two sub-blocks per lane;
+// 16-warp CTAs too (8192 -> 4096 at T = 1 15.8 -> 14.3 us for Q8_0, 15.6 -> 14.1 for IQ2_XXS), except a T = 1
+// call whose rows need fewer wide CTAs than the device has SMs, which takes two CTAs of kWarps and so spreads
+// its rows over all SMs (attn_a at T = 1 as 64 wide CTAs: 6.0 -> 6.4 us).
 template <class Fmt>
 bool launch_qmatmul(gpuStream_t stream, const QDims& d, const uint8_t* w, const void* x, bool bf16, float* y) {
-  const Args a{w, y, d.N, d.K, d.row_bytes, copy_width(w, d.row_bytes, Sub<Fmt>::kChunkBytes)};
   bool launched = false;
-  if (a.copy_bytes == 0) return launched;
-  visit_rows<kMaxRows<Fmt>>(pick_rows(d.N), [&](auto rc) {
-    constexpr int kR = decltype(rc)::value;
-    if (d.T == 1 && ctas_for_rows<kWideWarps>(d.N, kR) < sm_count()) {
-      launched = token_slots<kWarps>(d.K, 1, kFixedSmemBytes<Fmt, kR, kWarps>) == 1;
-      if (launched) launch_tiles<Fmt, 1, kR, kWarps>(stream, d, a, 1, x, bf16);
-      return;
-    }
-    const int slots =
-        token_slots<kWideWarps>(d.K, tile_tokens<kWideWarps>(d.T, d.N, kR), kFixedSmemBytes<Fmt, kR, kWideWarps>);
-    launched = slots > 0;
-    if (launched) visit_cols(slots, [&](auto nc) {
-      launch_tiles<Fmt, decltype(nc)::value, kR, kWideWarps>(stream, d, a, slots, x, bf16);
+  if (d.T > 1) {
+    constexpr int S = kSubPerLaneMany<Fmt>;
+    const Args a = args_for<Fmt, S>(d, w, y);
+    const auto slots_of = [&](int R) {
+      return token_slots<kWideWarps>(d.K, tile_tokens<kWideWarps>(d.T, d.N, R), fixed_smem_bytes<Fmt, kWideWarps, S>(R));
+    };
+    const int rows =
+        rows_with_room(balanced_rows(d.N, (int64_t)kWarpsPerSm * sm_count(), kMaxRows<Fmt, S>), d.T, slots_of);
+    if (a.copy_bytes > 0) visit_rows<kMaxRows<Fmt, S>>(rows, [&](auto rc) {
+      constexpr int kR = decltype(rc)::value;
+      const int slots = even_slots(d.T, slots_of(kR));
+      if (slots < 2) return;
+      visit_cols(slots, [&](auto nc) {
+        constexpr int kNC = decltype(nc)::value;
+        if constexpr (kNC > 1) launch_tiles<Fmt, kNC, kR, kWideWarps, S>(stream, d, a, slots, x, bf16);
+      });
+      launched = true;
     });
+    if (launched) return launched;
+  }
+  constexpr int S = kSubPerLaneOne;
+  const Args a = args_for<Fmt, S>(d, w, y);
+  if (a.copy_bytes == 0) return launched;
+  visit_rows<kMaxRows<Fmt, S>>(pick_rows(d.N), [&](auto rc) {
+    constexpr int kR = decltype(rc)::value;
+    const auto one_token_tiles = [&](auto wc) {
+      constexpr int W = decltype(wc)::value;
+      launched = token_slots<W>(d.K, 1, kFixedSmemBytes<Fmt, kR, W, S>) == 1;
+      if (launched) launch_tiles<Fmt, 1, kR, W, S>(stream, d, a, 1, x, bf16);
+    };
+    if (d.T == 1 && ctas_for_rows<kWideWarps>(d.N, kR) < sm_count()) one_token_tiles(std::integral_constant<int, kWarps>{});
+    else one_token_tiles(std::integral_constant<int, kWideWarps>{});
   });
   return launched;
 }
 
+// Launches the MoE matmul (and grouped projections); false when the call does not fit the integer path.
+// Experts busy at once: at most E distinct ones among the P slots (all P with DS4's 256 experts; the G
+// groups of a grouped projection, which every token uses). Slots beyond an expert's first exit at once, so
+// the device is shared among `busy` experts, each with its rows balanced over its warps (run 9: one wave of
+// 11 CTAs per expert for 24 experts instead of three waves of 33, and four rows per group for IQ2_XXS,
+// made the 24-expert IQ2_XXS calls 18-23% faster at T = 1). Token slots: at most T, since an expert is
+// chosen at most once per token unless ids repeat. Where experts serve several tokens each on average (a
+// grouped projection of T > 1) and the format has smaller chunks for several tokens (Q8_0), those chunks and
+// rows per group that keep room for the tokens in one pass (kernel run 11: Q8_0 grouped_o at T = 4 one pass
+// of two rows per group, 33.2 -> 28.6 us); otherwise the T = 1 rows per group, whatever the passes (IQ2_XXS
+// grouped_o at T = 4: two passes of four rows 30.2 us, one pass of one row 31.8).
 template <class Fmt>
 bool launch_qmatmul_id(gpuStream_t stream, const QDims& d, const uint8_t* w, const void* x, bool bf16,
                        const int32_t* ids, float* y) {
-  const Args a{w, y, d.N, d.K, d.row_bytes, copy_width(w, d.row_bytes, Sub<Fmt>::kChunkBytes)};
   const int P = (int)(d.T * d.k);
-  bool launched = false;
-  if (a.copy_bytes == 0) return launched;
-  // Experts busy at once: at most E distinct ones among the P slots (all P with DS4's 256 experts; the G
-  // groups of a grouped projection, which every token uses). Slots beyond an expert's first exit at once, so
-  // the device is shared among `busy` experts, each with its rows balanced over its warps (run 9: one wave of
-  // 11 CTAs per expert for 24 experts instead of three waves of 33, and four rows per group for IQ2_XXS,
-  // made the 24-expert IQ2_XXS calls 18-23% faster at T = 1). Token slots: at most T, since an expert is
-  // chosen at most once per token unless ids repeat.
   const int busy = (int)std::clamp<int64_t>(d.E, 1, P);  // E = 0: every id invalid, the outputs zeroed
   const int64_t warps = (kWarpsPerSm / kWarps * sm_count() + busy - 1) / busy * kWarps;
-  visit_rows<kMaxRows<Fmt>>(balanced_rows(d.N, warps, kMaxRows<Fmt>), [&](auto rc) {
-    const int slots = token_slots<kWarps>(d.K, d.T, kFixedSmemBytes<Fmt, decltype(rc)::value, kWarps>);
-    if (slots == 0) return;
-    visit_cols(slots, [&](auto nc) {
-      constexpr int kNC = decltype(nc)::value, kR = kRowsWith<kNC, decltype(rc)::value>;
-      launch_persistent<qmatmul_id_kernel<Fmt, kNC, kR>, kR, kWarps>(stream, a, kFixedSmemBytes<Fmt, kR, kWarps>, slots,
-                                                                     (unsigned)P, busy, true, x, bf16, ids, d.E,
-                                                                     (int)d.k, P, slots);
+  const int64_t per_expert = std::min<int64_t>(d.T, (P + busy - 1) / busy);
+  // Launches with S sub-blocks per lane if `wanted` tokens per expert fit one pass (at least `min_slots`).
+  const auto launch = [&](auto sc, int64_t wanted, int min_slots) {
+    constexpr int S = decltype(sc)::value;
+    const Args a = args_for<Fmt, S>(d, w, y);
+    bool launched = false;
+    if (a.copy_bytes == 0) return launched;
+    const auto slots_of = [&](int R) { return token_slots<kWarps>(d.K, wanted, fixed_smem_bytes<Fmt, kWarps, S>(R)); };
+    visit_rows<kMaxRows<Fmt, S>>(rows_with_room(balanced_rows(d.N, warps, kMaxRows<Fmt, S>), wanted, slots_of), [&](auto rc) {
+      const int room = token_slots<kWarps>(d.K, d.T, kFixedSmemBytes<Fmt, decltype(rc)::value, kWarps, S>);
+      const int slots = wanted > 1 ? even_slots(wanted, room) : room;
+      if (slots < min_slots) return;
+      visit_cols(slots, [&](auto nc) {
+        constexpr int kNC = decltype(nc)::value, kR = kRowsWith<kNC, decltype(rc)::value>;
+        if constexpr (kNC > 1 || S == kSubPerLaneOne)  // several tokens per pass take kSubPerLaneMany only
+          launch_persistent<qmatmul_id_kernel<Fmt, kNC, kR, S>, kR, kWarps>(stream, a, kFixedSmemBytes<Fmt, kR, kWarps, S>,
+                                                                            slots, (unsigned)P, busy, true, x, bf16,
+                                                                            ids, d.E, (int)d.k, P, slots);
+      });
+      launched = true;
     });
-    launched = true;
-  });
-  return launched;
+    return launched;
+  };
+  if (per_expert > 1 && kSubPerLaneMany<Fmt> != kSubPerLaneOne &&
+      launch(std::integral_constant<int, kSubPerLaneMany<Fmt>>{}, per_expert, 2))
+    return true;
+  return launch(std::integral_constant<int, kSubPerLaneOne>{}, 1, 1);
 }
 
 }  // namespace i8

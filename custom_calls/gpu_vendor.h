@@ -2,9 +2,11 @@
 // and with hipcc (HIP_PLATFORM=amd). A "warp" here is always 32 logical lanes (on wave64 AMD GPUs a
 // wavefront holds two of them; the shuffles are width-32).
 //
-// gpu_copy_async(dst_smem, src_global, bytes) copies 4, 8 or 16 bytes from global to shared memory:
-// asynchronously on CUDA (cp.async, sm_80+; visible after gpu_copy_wait<n> left at most n of this thread's
-// committed groups pending, plus a warp barrier), synchronously on HIP.
+// gpu_copy_async(dst, src_global, bytes) copies 4, 8 or 16 bytes from global to shared memory at
+// dst = gpu_smem(pointer) + offset: asynchronously on CUDA (cp.async, sm_80+; visible after gpu_copy_wait<n>
+// left at most n of this thread's committed groups pending, plus a warp barrier), synchronously on HIP. dst is
+// the 32-bit shared-window address on CUDA, so a run of copies converts its pointer once and takes constant
+// offsets; the pointer itself on HIP.
 #pragma once
 #include <cstdint>
 
@@ -37,10 +39,12 @@ __device__ __forceinline__ int gpu_dp4a(int a, int b, int c) {
 // must be below 8 (CUDA's prmt would read their top bit as a sign-replicate flag; __byte_perm masks it off
 // with one more instruction per call).
 __device__ __forceinline__ uint32_t gpu_byte_select(uint32_t a, uint32_t b, uint32_t sel) { return __byte_perm(a, b, sel); }
-__device__ __forceinline__ void gpu_copy_async(void* dst, const void* src, int bytes) {
-  if (bytes == 16) *static_cast<uint4*>(dst) = *static_cast<const uint4*>(src);
-  else if (bytes == 8) *static_cast<uint2*>(dst) = *static_cast<const uint2*>(src);
-  else *static_cast<uint32_t*>(dst) = *static_cast<const uint32_t*>(src);
+typedef uint8_t* gpu_smem_t;
+__device__ __forceinline__ gpu_smem_t gpu_smem(void* p) { return static_cast<uint8_t*>(p); }
+__device__ __forceinline__ void gpu_copy_async(gpu_smem_t dst, const void* src, int bytes) {
+  if (bytes == 16) *reinterpret_cast<uint4*>(dst) = *static_cast<const uint4*>(src);
+  else if (bytes == 8) *reinterpret_cast<uint2*>(dst) = *static_cast<const uint2*>(src);
+  else *reinterpret_cast<uint32_t*>(dst) = *static_cast<const uint32_t*>(src);
 }
 __device__ __forceinline__ void gpu_copy_commit() {}
 template <int n>
@@ -72,11 +76,12 @@ __device__ __forceinline__ uint32_t gpu_byte_select(uint32_t a, uint32_t b, uint
   asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
   return r;
 }
-__device__ __forceinline__ void gpu_copy_async(void* dst, const void* src, int bytes) {
-  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  if (bytes == 16) asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src));
-  else if (bytes == 8) asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(d), "l"(src));
-  else asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(d), "l"(src));
+typedef uint32_t gpu_smem_t;
+__device__ __forceinline__ gpu_smem_t gpu_smem(void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+__device__ __forceinline__ void gpu_copy_async(gpu_smem_t dst, const void* src, int bytes) {
+  if (bytes == 16) asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+  else if (bytes == 8) asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(dst), "l"(src));
+  else asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src));
 }
 __device__ __forceinline__ void gpu_copy_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int n>

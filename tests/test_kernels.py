@@ -272,12 +272,16 @@ def test_qmatmul_non_finite_activation(device, ggml_type, bad):
 
 
 @pytest.mark.parametrize("ggml_type", [GGMLType.Q8_0, GGMLType.IQ2_XXS], ids=lambda t: t.name)
-@pytest.mark.parametrize("n, k", [(16899, 1024), (2048, 8192)], ids=["many_rows", "wide_tokens"])
+@pytest.mark.parametrize(
+    "n, k", [(32771, 1024), (2048, 8192), (4096, 8192)], ids=["many_rows", "wide_tokens", "ds4_dense"]
+)
 def test_qmatmul_launch_geometries(device, ggml_type, n, k):
-    """Shapes that take the GPU integer path's other launch geometries: 16899 rows of 1024 weights group 2 or 4
-    rows per warp (the last group partial); 2048 rows of 8192 run one CTA of 16 warps per SM for T > 1 (it
-    stages four such tokens at once) and two CTAs of 8 warps for one token. For T = 8, 4, 3 and 1: right
-    against numpy, and every row equal to the same token's row of the 8-token call."""
+    """Shapes that take the GPU integer path's other launch geometries (on an H200): 32771 rows of 1024 weights
+    group 2 or 4 rows per warp, the last group partial (4 for several tokens, where Q8_0 chunks hold one
+    sub-block per lane); 2048 rows of 8192 run one CTA of 16 warps per SM for T > 1 (it stages four such tokens
+    at once) and two CTAs of 8 warps for one token; 4096 rows of 8192 (DS4's 8192 -> 4096) group two rows per
+    warp for three or four tokens and one for eight. For T = 8, 4, 3 and 1: right against numpy, and every row
+    equal to the same token's row of the 8-token call."""
     rng = np.random.default_rng(5)
     w = random_packed(rng, ggml_type, (n,), k)
     x = rng.standard_normal((8, k)).astype(np.float32)
