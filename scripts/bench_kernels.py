@@ -112,7 +112,11 @@ def bench_shape(t: GGMLType, name: str, t_values: list[int]) -> list[dict]:
     key = jax.random.PRNGKey(int(t))
     experts, backend, calls = topk > 0, FLAGS.backend, FLAGS.calls
     one = synthetic.random_packed(key, t, weight_rows(name), SHAPES[name][0])
-    copies = 1 if experts else max(1, min(2 * calls, math.ceil((FLAGS.rotate_mib << 20) / one.nbytes)))
+    # Dense and grouped shapes rotate through weights so that L2 holds none between calls; through the dense
+    # copy every call needs its own, since XLA dequantizes each distinct weight once per program and merges
+    # the GEMMs that share one (kernel run 11: 8 weights shared by 32 calls timed below the bandwidth floor).
+    rotation = max(1, min(2 * calls, math.ceil((FLAGS.rotate_mib << 20) / one.nbytes)))
+    copies = 1 if experts else 2 * calls if FLAGS.dense_copy else rotation
     weights = [one] + [synthetic.random_packed(jax.random.fold_in(key, i), t, weight_rows(name), SHAPES[name][0])
                        for i in range(1, copies)]
 

@@ -46,11 +46,12 @@ Weight = Union[jax.Array, PackedWeight]
 # rows per call, and from GEMM_MIN_ROWS_LARGE rows for weights of LARGE_WEIGHT_BYTES packed bytes or more.
 # DSPARKJAX_GEMM_MIN_ROWS overrides the first (0: the kernels always). On the H200 (docs/PERFORMANCE.md):
 # the benchmark model's matrices (at most 9 MB) made the 384-row program 15% faster and the 64-row one 20%
-# slower (generation run 6; 128 lies below the crossover those points put near 150 rows); DS4's 36 MB Q8_0
-# projections run 5x faster through the copy at 8 rows (8192 -> 4096: 53.8 -> 9.8 us per call, kernel run 10)
-# and at every larger row count measured.
+# slower (generation run 6; 128 lies below the crossover those points put near 150 rows). DS4's 36 MB Q8_0
+# projections in a stream of calls, each with its own weight (kernel run 11): 8192 -> 4096 at 8 rows 46.6 us
+# on the kernel against 74.4 through the copy, at 16 rows 87.1 (run 10) against 69.8, at 64 299.8 against
+# 84.8; the grouped output projection 55.9 against 93.0 at 8 rows, 123.8 against 89.8 at 16.
 GEMM_MIN_ROWS = int(os.environ.get("DSPARKJAX_GEMM_MIN_ROWS", "128"))
-GEMM_MIN_ROWS_LARGE = 8
+GEMM_MIN_ROWS_LARGE = 16
 LARGE_WEIGHT_BYTES = 16 << 20
 
 
