@@ -466,9 +466,9 @@ __global__ void __launch_bounds__(W * kLanes, kWarpsPerSm / W) qmatmul_kernel(Ar
 
 // MoE: grid (persistent CTAs, slot p). The CTAs of slot p serve expert ids[p] only if p is its first slot,
 // then loop over all slots choosing it, `slots` (<= NC) at a time: each selected expert is read once per call
-// when no more than `slots` tokens chose it.
-template <class Fmt, int NC, int R, int S>
-__global__ void __launch_bounds__(kWarps * kLanes, kWarpsPerSm / kWarps)
+// when no more than `slots` tokens chose it. CTAs of W warps.
+template <class Fmt, int NC, int R, int W, int S>
+__global__ void __launch_bounds__(W * kLanes, kWarpsPerSm / W)
     qmatmul_id_kernel(Args a, const void* __restrict__ x, bool bf16, const int32_t* __restrict__ ids, int64_t E, int topk,
                       int P, int slots) {
   extern __shared__ __align__(16) uint8_t smem[];
@@ -477,7 +477,7 @@ __global__ void __launch_bounds__(kWarps * kLanes, kWarpsPerSm / kWarps)
   const int p = blockIdx.y;
   if (!first_slot_of_expert(ids, p)) return;
   const int32_t e = ids[p];
-  const Tables tab = init_tables<Fmt, kWarps>(smem);
+  const Tables tab = init_tables<Fmt, W>(smem);
   const bool valid = e >= 0 && e < E;
   Args ae = a;
   ae.w = a.w + (valid ? e : 0) * a.N * a.row_bytes;
@@ -489,8 +489,8 @@ __global__ void __launch_bounds__(kWarps * kLanes, kWarpsPerSm / kWarps)
       for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < ncols * a.N; i += stride)
         a.y[(int64_t)s_cols.y_row[i / a.N] * a.N + i % a.N] = 0.0f;
     } else {
-      const XSource xs{x, bf16, a.K, s_cols.x_row, ncols, slots, smem + kFixedSmemBytes<Fmt, R, kWarps, S>};
-      cta_rows<Fmt, NC, R, kWarps, S>(ae, xs, s_cols.y_row, ncols, smem, tab);
+      const XSource xs{x, bf16, a.K, s_cols.x_row, ncols, slots, smem + kFixedSmemBytes<Fmt, R, W, S>};
+      cta_rows<Fmt, NC, R, W, S>(ae, xs, s_cols.y_row, ncols, smem, tab);
     }
     __syncthreads();  // every warp is done with this pass's activations and columns before the next pass
   }
@@ -731,43 +731,45 @@ bool launch_qmatmul(gpuStream_t stream, const QDims& d, const uint8_t* w, const 
 // 11 CTAs per expert for 24 experts instead of three waves of 33, and four rows per group for IQ2_XXS,
 // made the 24-expert IQ2_XXS calls 18-23% faster at T = 1). Token slots: at most T, since an expert is
 // chosen at most once per token unless ids repeat. Where experts serve several tokens each on average (a
-// grouped projection of T > 1) and the format has smaller chunks for several tokens (Q8_0), those chunks and
-// rows per group that keep room for the tokens in one pass (kernel run 11: Q8_0 grouped_o at T = 4 one pass
-// of two rows per group, 33.2 -> 28.6 us); otherwise the T = 1 rows per group, whatever the passes (IQ2_XXS
-// grouped_o at T = 4: two passes of four rows 30.2 us, one pass of one row 31.8).
+// grouped projection of T > 1), the dense calls' layout for several tokens: one CTA of kWideWarps per SM
+// (its slots room for twice the tokens, staged once per SM), kSubPerLaneMany sub-blocks per lane, rows per
+// group that cost no extra pass, the CTAs shared among the experts rounded down (kernel run 11: DS4's grouped
+// output projection at T = 4 33.7 -> 24.2 us for Q8_0, 30.3 -> 23.7 for IQ2_XXS, from two passes per group
+// on 8-warp CTAs).
 template <class Fmt>
 bool launch_qmatmul_id(gpuStream_t stream, const QDims& d, const uint8_t* w, const void* x, bool bf16,
                        const int32_t* ids, float* y) {
   const int P = (int)(d.T * d.k);
   const int busy = (int)std::clamp<int64_t>(d.E, 1, P);  // E = 0: every id invalid, the outputs zeroed
-  const int64_t warps = (kWarpsPerSm / kWarps * sm_count() + busy - 1) / busy * kWarps;
   const int64_t per_expert = std::min<int64_t>(d.T, (P + busy - 1) / busy);
-  // Launches with S sub-blocks per lane if `wanted` tokens per expert fit one pass (at least `min_slots`).
-  const auto launch = [&](auto sc, int64_t wanted, int min_slots) {
-    constexpr int S = decltype(sc)::value;
+  // Launches CTAs of W warps, S sub-blocks per lane, if `wanted` tokens per expert fit at least `min_slots` slots.
+  const auto launch = [&](auto wc, auto sc, int64_t wanted, int min_slots, bool round_up) {
+    constexpr int W = decltype(wc)::value, S = decltype(sc)::value;
     const Args a = args_for<Fmt, S>(d, w, y);
     bool launched = false;
     if (a.copy_bytes == 0) return launched;
-    const auto slots_of = [&](int R) { return token_slots<kWarps>(d.K, wanted, fixed_smem_bytes<Fmt, kWarps, S>(R)); };
+    const int64_t resident = (int64_t)kWarpsPerSm / W * sm_count();
+    const int64_t warps = std::max<int64_t>(1, (resident + (round_up ? busy - 1 : 0)) / busy) * W;
+    const auto slots_of = [&](int R) { return token_slots<W>(d.K, wanted, fixed_smem_bytes<Fmt, W, S>(R)); };
     visit_rows<kMaxRows<Fmt, S>>(rows_with_room(balanced_rows(d.N, warps, kMaxRows<Fmt, S>), wanted, slots_of), [&](auto rc) {
-      const int room = token_slots<kWarps>(d.K, d.T, kFixedSmemBytes<Fmt, decltype(rc)::value, kWarps, S>);
+      const int room = token_slots<W>(d.K, d.T, kFixedSmemBytes<Fmt, decltype(rc)::value, W, S>);
       const int slots = wanted > 1 ? even_slots(wanted, room) : room;
       if (slots < min_slots) return;
       visit_cols(slots, [&](auto nc) {
         constexpr int kNC = decltype(nc)::value, kR = kRowsWith<kNC, decltype(rc)::value>;
-        if constexpr (kNC > 1 || S == kSubPerLaneOne)  // several tokens per pass take kSubPerLaneMany only
-          launch_persistent<qmatmul_id_kernel<Fmt, kNC, kR, S>, kR, kWarps>(stream, a, kFixedSmemBytes<Fmt, kR, kWarps, S>,
-                                                                            slots, (unsigned)P, busy, true, x, bf16,
-                                                                            ids, d.E, (int)d.k, P, slots);
+        if constexpr (kNC > 1 || W == kWarps)  // passes of several tokens take wide CTAs only
+          launch_persistent<qmatmul_id_kernel<Fmt, kNC, kR, W, S>, kR, W>(stream, a, kFixedSmemBytes<Fmt, kR, W, S>, slots,
+                                                                          (unsigned)P, busy, round_up, x, bf16, ids,
+                                                                          d.E, (int)d.k, P, slots);
       });
       launched = true;
     });
     return launched;
   };
-  if (per_expert > 1 && kSubPerLaneMany<Fmt> != kSubPerLaneOne &&
-      launch(std::integral_constant<int, kSubPerLaneMany<Fmt>>{}, per_expert, 2))
+  if (per_expert > 1 && launch(std::integral_constant<int, kWideWarps>{},
+                               std::integral_constant<int, kSubPerLaneMany<Fmt>>{}, per_expert, 2, false))
     return true;
-  return launch(std::integral_constant<int, kSubPerLaneOne>{}, 1, 1);
+  return launch(std::integral_constant<int, kWarps>{}, std::integral_constant<int, kSubPerLaneOne>{}, 1, 1, true);
 }
 
 }  // namespace i8

@@ -238,8 +238,8 @@ def test_qmatmul_grouped_equals_one_call_per_group(device, ggml_type):
 @pytest.mark.parametrize("ggml_type", [GGMLType.Q8_0, GGMLType.IQ2_XXS], ids=lambda t: t.name)
 def test_qmatmul_grouped_ds4_output_shape(device, ggml_type):
     """DS4's grouped output projection (8 groups of 4096 -> 1024) at T = 4: on GPU every group serves all four
-    tokens in two passes of its rows (two or three tokens fit next to the row buffers); each token's rows equal
-    its 1-token call, and numpy."""
+    tokens in one pass on 16-warp CTAs (one-token calls take 8-warp CTAs and two sub-blocks per lane); each
+    token's rows equal its 1-token call, and numpy."""
     rng = np.random.default_rng(13)
     g, n, k = 8, 1024, 4096
     w = random_packed(rng, ggml_type, (g, n), k)
