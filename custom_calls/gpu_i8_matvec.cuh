@@ -16,7 +16,8 @@
 // tokens sharing a CTA and in the rows sharing a warp.
 //
 // Layout: each warp owns groups of R rows (R = 1, 2, 4 per call) over the whole of K, taken in a
-// grid-stride loop; a group's K is cut into chunks of 2048 weights (64 sub-blocks, two per lane). The warp
+// grid-stride loop; a group's K is cut into chunks of S sub-blocks of 32 weights per lane (S = 2, or 1 for Q8_0
+// passes of several tokens: Chunk, kSubPerLaneMany). The warp
 // streams (group, chunk) items through a ring of kStages shared-memory stages with asynchronous copies,
 // kStages-1 items ahead, across group boundaries. IQ2_XXS selector tables live in shared memory,
 // replicated per lane of a half-warp so random lookups take at most two wavefronts. The L1/TEX pipe was the
@@ -25,9 +26,9 @@
 
 namespace i8 {
 
-// Warps per SM these kernels are laid out for (launch bounds, token_slots, the rows per group): two CTAs of kWarps, or,
-// for most dense calls (launch_qmatmul says which), one CTA of kWideWarps, which stages the tokens once per SM
-// instead of twice. A third CTA of 8 warps per SM, where shared memory would allow it,
+// Warps per SM these kernels are laid out for (launch bounds, token_slots, the rows per group): two CTAs of
+// kWarps, or, for most dense calls and grouped projections of several tokens (the launchers say which), one CTA
+// of kWideWarps, which stages the tokens once per SM instead of twice. A third CTA of 8 warps per SM, where shared memory would allow it,
 // measured slower (run 6: 20-30% on the IQ2_XXS expert shapes; run 7: with smaller IQ2_XXS tables, 19% on
 // grouped_o, its rows no longer split evenly across the warps).
 constexpr int kWarpsPerSm = 16;
