@@ -53,10 +53,10 @@ python3 scripts/profile_kernel.py --table_from="$OUT/durations.csv" --configs_in
   | tee "$OUT/durations.txt"
 fi
 if want routes; then  # about three minutes
-echo "== kernel vs dense copy + GEMM, Q8_0 dense shapes, T = 1..384 (32-call programs: shorter ones mislead)"
+echo "== kernel vs dense copy + GEMM, Q8_0 dense shapes, T = 1..384 (the copy route with a weight per call)"
 for route in "" "--dense_copy"; do
   python3 scripts/bench_kernels.py --formats=Q8_0 --shapes=attn_a,wide_b,grouped_o,dense_8k \
-    --t_rows=1,2,4,8,16,64,384 --calls=32 --reps=10 --copy_mib=256 $route 2>&1 | grep -v '^[IW][0-9]'
+    --t_rows=1,2,4,8,16,64,384 --calls=16 --reps=10 --copy_mib=256 $route 2>&1 | grep -v '^[IW][0-9]'
 done
 fi
 if want profile; then  # not in the default set: about a minute, one Nsight Compute report per call
