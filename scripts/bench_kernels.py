@@ -115,8 +115,12 @@ def bench_shape(t: GGMLType, name: str, t_values: list[int]) -> list[dict]:
     # Dense and grouped shapes rotate through weights so that L2 holds none between calls; through the dense
     # copy every call needs its own, since XLA dequantizes each distinct weight once per program and merges
     # the GEMMs that share one (kernel run 11: 8 weights shared by 32 calls timed below the bandwidth floor).
-    rotation = max(1, min(2 * calls, math.ceil((FLAGS.rotate_mib << 20) / one.nbytes)))
-    copies = 1 if experts else 2 * calls if FLAGS.dense_copy else rotation
+    if experts:
+        copies = 1
+    elif FLAGS.dense_copy:
+        copies = 2 * calls
+    else:
+        copies = max(1, min(2 * calls, math.ceil((FLAGS.rotate_mib << 20) / one.nbytes)))
     weights = [one] + [synthetic.random_packed(jax.random.fold_in(key, i), t, weight_rows(name), SHAPES[name][0])
                        for i in range(1, copies)]
 

@@ -9,8 +9,8 @@ so that GPUs do not silently use TF32.
 Packed kernels are matvecs: they read the weights once per tile of at most 8 tokens. A call with many rows
 (batched generation sends batch x width rows to every matmul) therefore multiplies a packed non-expert weight
 through a dense copy made in the graph, in the activation dtype: the numbers of `kernels="dequantize"`, on
-XLA's GEMM, which on the H200 fuses the dequantization into the GEMM's operand loads for DS4's large
-projections (so it reads the packed bytes once). Expert stacks keep the kernel, which serves each expert only
+XLA's GEMM, which reads the weight a few times per call (the dequantization, then the GEMM) but not once per
+tile of tokens. Expert stacks keep the kernel, which serves each expert only
 the tokens that chose it. The row count is a static shape, so a program takes one route for all its steps
 (exact speculative decoding runs one program).
 """
