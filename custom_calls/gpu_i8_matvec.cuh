@@ -646,18 +646,23 @@ int fixed_smem_bytes(int R) {
 template <int NC, int R>
 constexpr int kRowsWith = NC == 8 && R > 2 ? 2 : R;
 
+// CTAs per grid row when `resident` CTAs are shared among `busy` grid rows with work, at least one. The share
+// rounds down for dense tiles (every launched CTA works: rounding up left a tail wave, attn_a at T = 64 39%
+// slower, run 9) and up for MoE slots (`busy` there is a bound, and CTAs of repeated slots exit at once:
+// rounding down left SMs idle, 24-expert calls at T = 4 up to 1.5x slower).
+inline int64_t cta_share(int64_t resident, int busy, bool round_up) {
+  return std::max<int64_t>(1, (resident + (round_up ? busy - 1 : 0)) / busy);
+}
+
 // Launches `kernel` (CTAs of W warps) over a grid of (persistent CTAs, ny): the CTAs that fit on the device at
-// once shared among the `busy_y` grid rows that have work, at most one per W row groups. The share rounds down
-// for dense tiles (every launched CTA works: rounding up left a tail wave, attn_a at T = 64 39% slower, run 9)
-// and up for MoE slots (`busy_y` there is a bound, and CTAs of repeated slots exit at once: rounding down left
-// SMs idle, 24-expert calls at T = 4 up to 1.5x slower).
+// once shared among the `busy_y` grid rows that have work (cta_share), at most one per W row groups.
 template <auto kKernel, int R, int W, class... A>
 void launch_persistent(gpuStream_t stream, const Args& a, int fixed_smem, int slots, unsigned ny, int busy_y,
                        bool round_up, A... args) {
   const int smem = fixed_smem + (int)(slots * x_token_bytes(a.K));
   const int64_t ctas_needed = ctas_for_rows<W>(a.N, R);
   const int64_t resident = resident_ctas<kKernel, W>(smem);
-  const int64_t per_y = std::max<int64_t>(1, (resident + (round_up ? busy_y - 1 : 0)) / busy_y);
+  const int64_t per_y = cta_share(resident, busy_y, round_up);
   kKernel<<<dim3((unsigned)std::min(ctas_needed, per_y), ny), W * kLanes, smem, stream>>>(a, args...);
 }
 
@@ -750,7 +755,7 @@ bool launch_qmatmul_id(gpuStream_t stream, const QDims& d, const uint8_t* w, con
     bool launched = false;
     if (a.copy_bytes == 0) return launched;
     const int64_t resident = (int64_t)kWarpsPerSm / W * sm_count();
-    const int64_t warps = std::max<int64_t>(1, (resident + (round_up ? busy - 1 : 0)) / busy) * W;
+    const int64_t warps = cta_share(resident, busy, round_up) * W;  // as launch_persistent will share them
     const auto slots_of = [&](int R) { return token_slots<W>(d.K, wanted, fixed_smem_bytes<Fmt, W, S>(R)); };
     visit_rows<kMaxRows<Fmt, S>>(rows_with_room(balanced_rows(d.N, warps, kMaxRows<Fmt, S>), wanted, slots_of), [&](auto rc) {
       const int room = token_slots<W>(d.K, d.T, kFixedSmemBytes<Fmt, decltype(rc)::value, W, S>);
