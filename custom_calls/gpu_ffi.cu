@@ -73,9 +73,13 @@ __device__ int next_expert_cols(const int32_t* ids, int32_t e, int topk, int P, 
 }
 
 // MoE: whether slot p is the first slot choosing its expert (the CTAs of later slots leave the expert to it).
+// The lanes of each warp compare 32 earlier slots at once (a slot-by-slot loop waited on one load per slot
+// before the CTA could start its weight copies).
 __device__ bool first_slot_of_expert(const int32_t* ids, int p) {
-  for (int q = 0; q < p; ++q)
-    if (ids[q] == ids[p]) return false;
+  const int lane = threadIdx.x % kLanes;
+  const int32_t e = ids[p];
+  for (int q0 = 0; q0 < p; q0 += kLanes)
+    if (gpu_any(q0 + lane < p && ids[q0 + lane] == e)) return false;
   return true;
 }
 

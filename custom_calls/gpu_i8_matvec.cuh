@@ -362,58 +362,100 @@ __device__ __forceinline__ void copy_rows(gpu_smem_t dst, int stride, const uint
   }
 }
 
-// One warp of a CTA of W: its groups of R rows (group0, group0 + stride, ...) times the first ncols tokens of
-// xs; output of token slot t goes to row y_rows[t] of a.y. The warp starts its first weight copies, then takes
-// part in staging the CTA's activations (so their global loads overlap), then computes.
-template <class Fmt, int NC, int R, int W, int S>
-__device__ void warp_rows(const Args& a, const XSource& xs, const int* y_rows, int ncols, int64_t group0, int64_t stride,
-                          uint8_t* stages, const Tables& tab) {
+// A warp's stream of (group of R rows, K chunk) items into its ring of kStages shared-memory stages: groups
+// group0, group0 + stride, ... of R rows over all of K. `start` issues the first kStages - 1 copies, `issue`
+// the next one. The kernels start it before anything else (the selector tables, the token columns and the
+// activations each cost a global round trip first), so the weights' DRAM latency overlaps them.
+template <class Fmt, int R, int S>
+struct RowStream {
   using C = Chunk<Fmt, S>;
-  constexpr int CB = C::kBytes, RS = C::kRowStride, D = kStages<Fmt, R, S>;
-  const int lane = threadIdx.x % kLanes;
-  const int64_t ngroups = (a.N + R - 1) / R;
-  const int nsub = (int)(a.K / 32), nchunks = (nsub + C::kSubs - 1) / C::kSubs;
-  // Bytes per row of a whole chunk and of the last one, from this lane's first copy piece (lane · v) on.
-  const int v = a.copy_bytes;
-  const int len_full = CB - lane * v, len_last = (int)(a.row_bytes - (int64_t)(nchunks - 1) * CB) - lane * v;
-  Cursor in{group0, 0}, at{group0, 0};  // next item to copy, item to compute
-  int slot_in = 0, slot_at = 0;
+  static constexpr int kCB = C::kBytes, kRS = C::kRowStride, kD = kStages<Fmt, R, S>;
+  Args a;
+  uint8_t* stages;  // this warp's ring
+  int64_t group0, stride, ngroups;
+  int nchunks, len_full, len_last;  // per row, from this lane's first copy piece on: a whole chunk, the last
+  Cursor in;                        // next item to copy
+  int slot_in;
   const uint8_t* src[R];  // chunk `in.chunk` of the rows of group `in.group`, from this lane's first copy piece on
+
+  __device__ RowStream(const Args& args, uint8_t* warp_stages, int64_t first_group, int64_t group_stride)
+      : a(args), stages(warp_stages), group0(first_group), stride(group_stride), ngroups((args.N + R - 1) / R),
+        in{first_group, 0}, slot_in(0) {
+    const int lane = threadIdx.x % kLanes, nsub = (int)(a.K / 32);
+    nchunks = (nsub + C::kSubs - 1) / C::kSubs;
+    len_full = kCB - lane * a.copy_bytes;
+    len_last = (int)(a.row_bytes - (int64_t)(nchunks - 1) * kCB) - lane * a.copy_bytes;
+  }
+
   // Starts copying item `in` into stage slot_in, then commits the copy group (also when there is nothing to
   // copy, so group counting stays uniform). A group's rows past N copy its last row again.
-  auto issue = [&]() {
+  __device__ __forceinline__ void issue() {
+    const int v = a.copy_bytes, lane = threadIdx.x % kLanes;
     if (in.group < ngroups) {
       if (in.chunk == 0) {
         const int64_t row0 = in.group * R;
 #pragma unroll
         for (int r = 0; r < R; ++r) src[r] = a.w + (row0 + r < a.N ? row0 + r : a.N - 1) * a.row_bytes + lane * v;
       }
-      const gpu_smem_t dst = gpu_smem(stages) + (slot_in * R * RS + lane * v);
+      const gpu_smem_t dst = gpu_smem(stages) + (slot_in * R * kRS + lane * v);
       const int len = in.chunk == nchunks - 1 ? len_last : len_full;
-      if (v == 16) copy_rows<16, CB, R>(dst, RS, src, len);
-      else if (v == 8) copy_rows<8, CB, R>(dst, RS, src, len);
-      else copy_rows<4, CB, R>(dst, RS, src, len);
+      if (v == 16) copy_rows<16, kCB, R>(dst, kRS, src, len);
+      else if (v == 8) copy_rows<8, kCB, R>(dst, kRS, src, len);
+      else copy_rows<4, kCB, R>(dst, kRS, src, len);
 #pragma unroll
-      for (int r = 0; r < R; ++r) src[r] += CB;
+      for (int r = 0; r < R; ++r) src[r] += kCB;
       in.next(stride, nchunks);
     }
     gpu_copy_commit();
-    slot_in = slot_in + 1 == D ? 0 : slot_in + 1;
-  };
-  for (int i = 0; i < D - 1; ++i) issue();
+    slot_in = slot_in + 1 == kD ? 0 : slot_in + 1;
+  }
+
+  __device__ __forceinline__ void start() {
+    for (int i = 0; i < kD - 1; ++i) issue();
+  }
+};
+
+// Shared memory of one CTA of W warps: the tables, per warp kStages stages of R staged row chunks, then the
+// activations of up to `slots` tokens (slots * x_token_bytes(K)).
+template <class Fmt, int R, int S>
+constexpr int kWarpStageBytes = kStages<Fmt, R, S> * R * Chunk<Fmt, S>::kRowStride;
+template <class Fmt, int R, int W, int S>
+constexpr int kFixedSmemBytes = Sub<Fmt>::kTableBytes + W * kWarpStageBytes<Fmt, R, S>;
+
+// This warp's stream of a CTA of W warps in a grid-stride layout: warp w of CTA b takes groups b·W + w, then
+// every gridDim.x·W-th.
+template <class Fmt, int R, int W, int S>
+__device__ __forceinline__ RowStream<Fmt, R, S> warp_stream(const Args& a, uint8_t* smem) {
+  const int warp = threadIdx.x / kLanes;
+  return RowStream<Fmt, R, S>(a, smem + Sub<Fmt>::kTableBytes + warp * kWarpStageBytes<Fmt, R, S>,
+                              (int64_t)blockIdx.x * W + warp, (int64_t)gridDim.x * W);
+}
+
+// One warp of a CTA of W: the groups of its started stream `rows` times the first ncols tokens of xs; output of
+// token slot t goes to row y_rows[t] of rows.a.y. The warp takes part in staging the CTA's activations (while
+// its first weight copies are in flight), then computes.
+template <class Fmt, int NC, int R, int W, int S>
+__device__ void warp_rows(RowStream<Fmt, R, S>& rows, const XSource& xs, const int* y_rows, int ncols, const Tables& tab) {
+  using C = Chunk<Fmt, S>;
+  constexpr int D = RowStream<Fmt, R, S>::kD;
+  const Args& a = rows.a;
+  const int lane = threadIdx.x % kLanes;
+  const int nsub = (int)(a.K / 32), nchunks = rows.nchunks;
+  Cursor at{rows.group0, 0};  // item to compute
+  int slot_at = 0;
   const XView xv = stage_x<W>(xs);
   float acc[R][NC];
-  for (; at.group < ngroups; at.next(stride, nchunks), slot_at = slot_at + 1 == D ? 0 : slot_at + 1) {
+  for (; at.group < rows.ngroups; at.next(rows.stride, nchunks), slot_at = slot_at + 1 == D ? 0 : slot_at + 1) {
     gpu_copy_wait<D - 2>();
     gpu_syncwarp();
-    issue();  // overwrites the stage computed in the previous iteration, which every lane has left
+    rows.issue();  // overwrites the stage computed in the previous iteration, which every lane has left
     if (at.chunk == 0) {
 #pragma unroll
       for (int r = 0; r < R; ++r)
 #pragma unroll
         for (int t = 0; t < NC; ++t) acc[r][t] = 0.0f;
     }
-    const uint8_t* st = stages + slot_at * R * RS;
+    const uint8_t* st = rows.stages + slot_at * R * C::kRowStride;
 #pragma unroll
     for (int h = 0; h < S; ++h) {
       const int sub = h * kLanes + lane;
@@ -436,38 +478,27 @@ __device__ void warp_rows(const Args& a, const XSource& xs, const int* y_rows, i
   gpu_syncwarp();
 }
 
-// Shared memory of one CTA of W warps: the tables, per warp kStages stages of R staged row chunks, then the
-// activations of up to `slots` tokens (slots * x_token_bytes(K)).
-template <class Fmt, int R, int S>
-constexpr int kWarpStageBytes = kStages<Fmt, R, S> * R * Chunk<Fmt, S>::kRowStride;
-template <class Fmt, int R, int W, int S>
-constexpr int kFixedSmemBytes = Sub<Fmt>::kTableBytes + W * kWarpStageBytes<Fmt, R, S>;
-
-template <class Fmt, int NC, int R, int W, int S>
-__device__ void cta_rows(const Args& a, const XSource& xs, const int* y_rows, int ncols, uint8_t* smem, const Tables& tab) {
-  const int warp = threadIdx.x / kLanes;
-  uint8_t* stages = smem + Sub<Fmt>::kTableBytes + warp * kWarpStageBytes<Fmt, R, S>;
-  warp_rows<Fmt, NC, R, W, S>(a, xs, y_rows, ncols, (int64_t)blockIdx.x * W + warp, (int64_t)gridDim.x * W, stages, tab);
-}
-
 // Dense: grid (persistent CTAs of W warps, token tiles of `slots` tokens).
 template <class Fmt, int NC, int R, int W, int S>
 __global__ void __launch_bounds__(W * kLanes, kWarpsPerSm / W) qmatmul_kernel(Args a, const void* __restrict__ x,
                                                                               bool bf16, int64_t T, int slots) {
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ int s_rows[kMaxCols];
+  RowStream<Fmt, R, S> rows = warp_stream<Fmt, R, W, S>(a, smem);
+  rows.start();
   const Tables tab = init_tables<Fmt, W>(smem);
   const int64_t t0 = (int64_t)blockIdx.y * slots;
   const int ncols = (int)(T - t0 < slots ? T - t0 : slots);
   if (threadIdx.x < kMaxCols) s_rows[threadIdx.x] = (int)(t0 + threadIdx.x);
   __syncthreads();
-  cta_rows<Fmt, NC, R, W, S>(a, XSource{x, bf16, a.K, s_rows, ncols, slots, smem + kFixedSmemBytes<Fmt, R, W, S>},
-                             s_rows, ncols, smem, tab);
+  warp_rows<Fmt, NC, R, W, S>(rows, XSource{x, bf16, a.K, s_rows, ncols, slots, smem + kFixedSmemBytes<Fmt, R, W, S>},
+                              s_rows, ncols, tab);
 }
 
 // MoE: grid (persistent CTAs, slot p). The CTAs of slot p serve expert ids[p] only if p is its first slot,
 // then loop over all slots choosing it, `slots` (<= NC) at a time: each selected expert is read once per call
-// when no more than `slots` tokens chose it. CTAs of W warps.
+// when no more than `slots` tokens chose it. CTAs of W warps. The first pass's weight copies start as soon as
+// the expert is known.
 template <class Fmt, int NC, int R, int W, int S>
 __global__ void __launch_bounds__(W * kLanes, kWarpsPerSm / W)
     qmatmul_id_kernel(Args a, const void* __restrict__ x, bool bf16, const int32_t* __restrict__ ids, int64_t E, int topk,
@@ -478,11 +509,14 @@ __global__ void __launch_bounds__(W * kLanes, kWarpsPerSm / W)
   const int p = blockIdx.y;
   if (!first_slot_of_expert(ids, p)) return;
   const int32_t e = ids[p];
-  const Tables tab = init_tables<Fmt, W>(smem);
   const bool valid = e >= 0 && e < E;
   Args ae = a;
   ae.w = a.w + (valid ? e : 0) * a.N * a.row_bytes;
+  RowStream<Fmt, R, S> rows = warp_stream<Fmt, R, W, S>(ae, smem);
+  if (valid) rows.start();
+  const Tables tab = init_tables<Fmt, W>(smem);
   for (int start = p; start < P;) {
+    const bool first_pass = start == p;
     const int ncols = next_expert_cols(ids, e, topk, P, slots, &start, &s_cols, &s_next);
     if (ncols == 0) break;
     if (!valid) {
@@ -490,8 +524,12 @@ __global__ void __launch_bounds__(W * kLanes, kWarpsPerSm / W)
       for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < ncols * a.N; i += stride)
         a.y[(int64_t)s_cols.y_row[i / a.N] * a.N + i % a.N] = 0.0f;
     } else {
+      if (!first_pass) {
+        rows = warp_stream<Fmt, R, W, S>(ae, smem);
+        rows.start();
+      }
       const XSource xs{x, bf16, a.K, s_cols.x_row, ncols, slots, smem + kFixedSmemBytes<Fmt, R, W, S>};
-      cta_rows<Fmt, NC, R, W, S>(ae, xs, s_cols.y_row, ncols, smem, tab);
+      warp_rows<Fmt, NC, R, W, S>(rows, xs, s_cols.y_row, ncols, tab);
     }
     __syncthreads();  // every warp is done with this pass's activations and columns before the next pass
   }
