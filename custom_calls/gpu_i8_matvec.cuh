@@ -57,14 +57,6 @@ struct XSource {
   uint8_t* dst;
 };
 
-// Four consecutive activations as float (16-byte aligned for float32, 8 for bfloat16: K is a multiple of 32).
-__device__ __forceinline__ float4 load4(const float* p) { return *reinterpret_cast<const float4*>(p); }
-__device__ __forceinline__ float4 load4(const uint16_t* p) {
-  const uint2 u = *reinterpret_cast<const uint2*>(p);
-  return make_float4(bits_to_float(u.x << 16), bits_to_float(u.x & 0xFFFF0000u), bits_to_float(u.y << 16),
-                     bits_to_float(u.y & 0xFFFF0000u));
-}
-
 // The block exponent e of a largest magnitude m (bits of a finite float > 0): 2^(e-1) <= m < 2^e, as frexpf
 // gives it, from the bits (subnormals included).
 __device__ __forceinline__ int block_exponent(uint32_t m) {
@@ -78,67 +70,79 @@ __device__ __forceinline__ float exp2_int(int n) {
   return n >= -126 ? pow2_normal(n) : __uint_as_float(n >= -149 ? 1u << (n + 149) : 0u);
 }
 
-// Limbs of four activations of one sub-block whose largest magnitude is below 2^e: byte k of limbs[l] is limb l
-// of element k (limb 0 the most significant). X = rint(x · 2^(22-e)) as ldexpf would scale it: 22 - e lies in
-// [-106, 171], so the scale is one multiply by a normal power of two and, past 2^127, a second exact scale-up.
-// With |X| <= 2^22, Y = X + 0x808080 lies in [0, 2^24) and its bytes are the balanced base-256 digits of X
-// plus 128 (the digits are unique), so limb l is byte 2 - l of Y with its top bit flipped.
-__device__ __forceinline__ void limbs4(float4 v, int e, uint32_t limbs[3]) {
+// Limbs of eight activations of one sub-block whose largest magnitude is below 2^e: byte k of limbs[l][h] is limb
+// l of element 4h + k (limb 0 the most significant). X = rint(x · 2^(22-e)) as ldexpf would scale it: 22 - e
+// lies in [-106, 171], so the scale is one multiply by a normal power of two and, past 2^127, a second exact
+// scale-up, folded into an fma onto 1.5·2^23: with |X| <= 2^22 the sum lies in [2^23, 2^24], where the float's
+// bits minus those of 1.5·2^23 are X, rounded to nearest even as __float2int_rn would (one integer subtraction
+// instead of a conversion). Y = X + 0x808080 lies in [0, 2^24) and its bytes are the balanced base-256 digits
+// of X plus 128 (the digits are unique), so limb l is byte 2 - l of Y with its top bit flipped.
+__device__ __forceinline__ void limbs8(const float v[8], int e, uint32_t limbs[3][2]) {
   const int n = 22 - e, n1 = min(n, 127);
   const float f1 = pow2_normal(n1), f2 = pow2_normal(n - n1);
-  const auto digits = [&](float a) { return (uint32_t)__float2int_rn(__fmul_rn(__fmul_rn(a, f1), f2)) + 0x808080u; };
-  const uint32_t y0 = digits(v.x), y1 = digits(v.y), y2 = digits(v.z), y3 = digits(v.w);
+  uint32_t y[8];
+#pragma unroll
+  for (int k = 0; k < 8; ++k)
+    y[k] = __float_as_uint(__fmaf_rn(__fmul_rn(v[k], f1), f2, 12582912.0f)) - (0x4B400000u - 0x808080u);
 #pragma unroll
   for (int l = 0; l < 3; ++l) {
     const uint32_t pick = (uint32_t)(2 - l) | (uint32_t)(6 - l) << 4;  // byte 2 - l of the first and second word
-    limbs[l] = __byte_perm(__byte_perm(y0, y1, pick), __byte_perm(y2, y3, pick), 0x5410) ^ 0x80808080u;
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      limbs[l][h] = __byte_perm(__byte_perm(y[4 * h], y[4 * h + 1], pick), __byte_perm(y[4 * h + 2], y[4 * h + 3], pick),
+                                0x5410) ^ 0x80808080u;
   }
 }
 
-// Sub-block groups of four (one per 8 lanes of a warp) a warp loads before quantising any: that many global
-// loads in flight per lane instead of one.
-constexpr int kStageBatch = 4;
+// Steps of a warp's staging loop whose global loads are in flight together (two sub-blocks per lane group).
+constexpr int kStageBatch = 2;
 
-// Quantises the activations of `src` into shared memory. Lane group g = lane / 8 of a warp takes sub-block
-// i = 4·(warp step) + g of the call's (token, sub-block) sequence, lane q = lane % 8 its elements 4q..4q+3; the
-// sub-block's largest magnitude is an integer max over the 8 lanes (on |bits|, so a NaN or inf anywhere wins
-// and gives a NaN scale). Offsets in shared memory are 32-bit (it is at most 228 KB).
+// Quantises the activations of `src` into shared memory. Lane group g = lane / 4 of a warp takes sub-block
+// i = 8·(warp step) + g of the call's (token, sub-block) sequence, lane q = lane % 4 its elements 8q..8q+7 (the
+// index, address and reduction work per lane is paid once per 8 activations); the sub-block's largest
+// magnitude is an integer max over the 4 lanes (on |bits|, so a NaN or inf anywhere wins and gives a NaN
+// scale). Offsets in shared memory are 32-bit (it is at most 228 KB). Every step of the loop runs in every
+// lane, past the last sub-block too (its loads skipped): an early exit from a batch raised the MoE kernel's
+// registers by up to 45 (kernel run 12).
 template <class XT, int W>
 __device__ __forceinline__ void stage_tokens(const XSource& src, float* scales) {
   const uint32_t nsub = (uint32_t)(src.K / 32), total = (uint32_t)src.ntok * nsub, K = (uint32_t)src.K;
-  const uint32_t warp = threadIdx.x / kLanes, lane = threadIdx.x % kLanes, q = lane % 8;
+  const uint32_t warp = threadIdx.x / kLanes, lane = threadIdx.x % kLanes, q = lane % 4;
   const XT* x = static_cast<const XT*>(src.x);
-  for (uint32_t i0 = warp * 4 + lane / 8; i0 - lane / 8 < total; i0 += W * 4 * kStageBatch) {
-    float4 v[kStageBatch];
+  for (uint32_t i0 = warp * 8 + lane / 4; i0 - lane / 4 < total; i0 += W * 8 * kStageBatch) {
+    float v[kStageBatch][8];
     uint32_t slot[kStageBatch], sb[kStageBatch];
 #pragma unroll
     for (int u = 0; u < kStageBatch; ++u) {
-      const uint32_t i = i0 + u * W * 4;
+      const uint32_t i = i0 + u * W * 8;
       slot[u] = i / nsub;
       sb[u] = i - slot[u] * nsub;
-      v[u] = i < total ? load4(x + (int64_t)src.rows[slot[u]] * src.K + sb[u] * 32 + 4 * q)
-                       : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      if (i < total) load8(x + (int64_t)src.rows[slot[u]] * src.K + sb[u] * 32 + 8 * q, v[u]);
+      else
+#pragma unroll
+        for (int k = 0; k < 8; ++k) v[u][k] = 0.0f;
     }
 #pragma unroll
     for (int u = 0; u < kStageBatch; ++u) {
-      const uint32_t i = i0 + u * W * 4;
-      uint32_t m = max(max(__float_as_uint(v[u].x) & 0x7FFFFFFFu, __float_as_uint(v[u].y) & 0x7FFFFFFFu),
-                       max(__float_as_uint(v[u].z) & 0x7FFFFFFFu, __float_as_uint(v[u].w) & 0x7FFFFFFFu));
-      for (int s = 1; s < 8; s <<= 1) m = max(m, __float_as_uint(gpu_shfl_xor(__uint_as_float(m), s)));
+      const uint32_t i = i0 + u * W * 8;
+      uint32_t m = 0;
+#pragma unroll
+      for (int k = 0; k < 8; ++k) m = max(m, __float_as_uint(v[u][k]) & 0x7FFFFFFFu);
+      for (int s = 1; s < 4; s <<= 1) m = max(m, __float_as_uint(gpu_shfl_xor(__uint_as_float(m), s)));
       if (i >= total) continue;
       float sc = 0.0f;
-      uint32_t limbs[3] = {0, 0, 0};
+      uint32_t limbs[3][2] = {{0, 0}, {0, 0}, {0, 0}};
       if (m >= 0x7F800000u) {
         sc = __int_as_float(0x7fc00000);
       } else if (m > 0) {
         const int e = block_exponent(m);
         sc = exp2_int(e - 22);
-        limbs4(v[u], e, limbs);
+        limbs8(v[u], e, limbs);
       }
-      // limb l, half q / 4, bytes 4·(q % 4)..: array 2l + q/4 of the slot, word q % 4 of sub-block sb
-      uint32_t* out = reinterpret_cast<uint32_t*>(src.dst + slot[u] * 3 * K + (q / 4) * (K / 2) + sb[u] * 16) + q % 4;
+      // limb l, half q / 2, bytes 8·(q % 2)..: array 2l + q/2 of the slot, words 2·(q % 2).. of sub-block sb
+      uint2* out = reinterpret_cast<uint2*>(src.dst + slot[u] * 3 * K + (q / 2) * (K / 2) + sb[u] * 16) + q % 2;
 #pragma unroll
-      for (int l = 0; l < 3; ++l) out[l * (K / 4)] = limbs[l];  // + 2l arrays of K/2 bytes
+      for (int l = 0; l < 3; ++l) out[l * (K / 8)] = make_uint2(limbs[l][0], limbs[l][1]);  // + 2l arrays of K/2 bytes
       if (q == 0) scales[i] = sc;
     }
   }
@@ -149,7 +153,7 @@ __device__ __forceinline__ void stage_tokens(const XSource& src, float* scales) 
 template <int W>
 __device__ __forceinline__ XView stage_x(const XSource& src) {
   float* scales = reinterpret_cast<float*>(src.dst + (int64_t)src.slots * 3 * src.K);
-  if (src.bf16) stage_tokens<uint16_t, W>(src, scales);
+  if (src.bf16) stage_tokens<bf16_t, W>(src, scales);
   else stage_tokens<float, W>(src, scales);
   __syncthreads();
   return XView{reinterpret_cast<const uint4*>(src.dst), scales, (int)(src.K / 32)};
