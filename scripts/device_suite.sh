@@ -8,7 +8,7 @@
 # about 9-10 minutes (a device call's limit is 10): pass section names to run fewer, e.g.
 #   bash scripts/device_suite.sh kernels generate        (the build runs unless plugins are carried)
 # Not run by default: `durations` (every kernel benchmark call's kernel time alone, under Nsight Compute),
-# `profile` (one call of each of two kernels in depth) and `routes` (the packed kernel against the model's
+# `profile` (one call of each of two kernels in depth, with each pipe's utilisation) and `routes` (the packed kernel against the model's
 # dense copy on XLA's GEMM at small and large row counts: what sets GEMM_MIN_ROWS in model/weights.py).
 set -uo pipefail
 SECTIONS="${*:-tests kernels generate}"
@@ -61,12 +61,23 @@ done
 fi
 if want profile; then  # not in the default set: about a minute, one Nsight Compute report per call
 echo "== ncu: one IQ2_XXS expert call and one Q8_0 attention call"
+# Which unit binds: each pipe's share of its peak issue rate (ALU: logic, shifts, byte permutes; FMA-heavy:
+# IMAD and dp4a; LSU: shared-memory and global accesses) and the shared-memory wavefronts (128 bytes per SM cycle).
+PIPE_METRICS=sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active,\
+sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active,\
+sm__inst_executed_pipe_fmaheavy.avg.pct_of_peak_sustained_active,\
+sm__inst_executed_pipe_lsu.avg.pct_of_peak_sustained_active,\
+l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,\
+l1tex__data_pipe_lsu_wavefronts_mem_shared.avg.pct_of_peak_sustained_elapsed,\
+l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum
 for spec in "IQ2_XXS exp_up24" "Q8_0 attn_a"; do
   set -- $spec
   ncu --clock-control none -k regex:qmatmul --launch-skip 1 --launch-count 1 --section SpeedOfLight \
     --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats \
-    --section MemoryWorkloadAnalysis python3 scripts/profile_kernel.py --formats="$1" --shapes="$2" \
+    --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section InstructionStats \
+    --metrics "$PIPE_METRICS" python3 scripts/profile_kernel.py --formats="$1" --shapes="$2" \
     > "$OUT/ncu_$1_$2.txt" 2>&1
-  grep -E "Duration|DRAM Throughput|Achieved Occupancy|Eligible Warps|Dynamic Shared" "$OUT/ncu_$1_$2.txt"
+  grep -E "Duration|DRAM Throughput|Achieved Occupancy|Eligible Warps|Dynamic Shared|Issue Slots Busy|SM Busy|\
+Executed Instructions  |pipe_|wavefronts" "$OUT/ncu_$1_$2.txt"
 done
 fi
