@@ -8,8 +8,9 @@
 # about 9-10 minutes (a device call's limit is 10): pass section names to run fewer, e.g.
 #   bash scripts/device_suite.sh kernels generate        (the build runs unless plugins are carried)
 # Not run by default: `durations` (every kernel benchmark call's kernel time alone, under Nsight Compute),
-# `profile` (one call of each of two kernels in depth, with each pipe's utilisation) and `routes` (the packed kernel against the model's
-# dense copy on XLA's GEMM at small and large row counts: what sets GEMM_MIN_ROWS in model/weights.py).
+# `profile` (one call of each of two kernels in depth, with each pipe's utilisation) and `routes` (the packed
+# kernel against the model's dense copy on XLA's GEMM at small and large row counts: what sets GEMM_MIN_ROWS in
+# model/weights.py).
 set -uo pipefail
 SECTIONS="${*:-tests kernels generate}"
 want() { [[ " $SECTIONS " == *" $1 "* ]]; }
