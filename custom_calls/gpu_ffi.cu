@@ -52,20 +52,29 @@ __host__ __device__ void visit_cols(int64_t n, F&& f) {
 }
 
 // MoE: the next pass of (token, slot) columns choosing expert e, from slot *start on, at most max_cols, built
-// by thread 0 in `shared`; *start moves past them. Returns the column count (the same in every thread). The
-// caller synchronises the CTA before the next pass overwrites the table.
+// by warp 0 in `shared`, 32 slots per step by vote; *start moves past them. Returns the column count (the same in
+// every thread). The caller synchronises the CTA before the next pass overwrites the table.
 __device__ int next_expert_cols(const int32_t* ids, int32_t e, int topk, int P, int max_cols, int* start,
                                 ColTable* shared, int* shared_next) {
-  if (threadIdx.x == 0) {
-    int nc = 0, q = *start;
-    for (; q < P && nc < max_cols; ++q)
-      if (ids[q] == e) {
-        shared->x_row[nc] = q / topk;
-        shared->y_row[nc] = q;
-        ++nc;
+  if (threadIdx.x < kLanes) {
+    const int lane = threadIdx.x;
+    int nc = 0, q0 = *start;
+    for (; q0 < P && nc < max_cols; q0 += kLanes) {
+      const int q = q0 + lane;
+      const bool hit = q < P && ids[q] == e;
+      const uint32_t votes = gpu_ballot(hit);
+      const int rank = nc + __popc(votes & ((1u << lane) - 1u));
+      if (hit && rank < max_cols) {
+        shared->x_row[rank] = q / topk;
+        shared->y_row[rank] = q;
       }
-    shared->ncols = nc;
-    *shared_next = q;
+      if (hit && rank == max_cols) *shared_next = q;  // the first choosing slot this pass leaves
+      nc += __popc(votes);
+    }
+    if (lane == 0) {
+      shared->ncols = min(nc, max_cols);
+      if (nc <= max_cols) *shared_next = min(q0, P);
+    }
   }
   __syncthreads();
   *start = *shared_next;

@@ -242,18 +242,28 @@ constexpr Iq2Selectors make_iq2_selectors() {
 }
 __device__ const Iq2Selectors kIq2SelectorsDevice = make_iq2_selectors();
 
-// Fills the replicated tables from the device's constant arrays (a CTA of W warps): every load first (one
-// global round trip), then the stores, each 16 bytes (four copies of one entry).
+// The replicated tables of a CTA of W warps, filled from the device's constant arrays in two steps: `load` reads
+// this thread's selector words (one global round trip, which the kernels start first so that it overlaps the
+// MoE ids, the weights' first copies and the activations), `store` writes them, each as a 16-byte store of four
+// copies of one entry, then a CTA barrier. Formats without tables do neither.
+template <class Fmt, int W, bool = (Sub<Fmt>::kTableBytes > 0)>
+struct TableFill {
+  __device__ __forceinline__ void load() {}
+  __device__ __forceinline__ Tables store(uint8_t* smem) const { return Tables{smem}; }
+};
 template <class Fmt, int W>
-__device__ Tables init_tables(uint8_t* smem) {
-  if constexpr (Sub<Fmt>::kTableBytes > 0) {
-    constexpr int kThreads = W * kLanes;
-    constexpr int kGridPer = 256 * 4 / kThreads, kSignPer = 128 * 4 / kThreads;  // 16-byte stores per thread
-    uint32_t g[kGridPer], m[kSignPer];
+struct TableFill<Fmt, W, true> {
+  static constexpr int kThreads = W * kLanes;
+  static constexpr int kGridPer = 256 * 4 / kThreads, kSignPer = 128 * 4 / kThreads;  // 16-byte stores per thread
+  uint32_t g[kGridPer], m[kSignPer];
+
+  __device__ __forceinline__ void load() {
 #pragma unroll
     for (int j = 0; j < kGridPer; ++j) g[j] = kIq2SelectorsDevice.grid[(threadIdx.x + j * kThreads) >> 2];
 #pragma unroll
     for (int j = 0; j < kSignPer; ++j) m[j] = kIq2SelectorsDevice.sign[(threadIdx.x + j * kThreads) >> 2];
+  }
+  __device__ __forceinline__ Tables store(uint8_t* smem) const {
     uint4* grid = reinterpret_cast<uint4*>(smem);
     uint4* sign = reinterpret_cast<uint4*>(smem + kGridBytes);
 #pragma unroll
@@ -261,9 +271,9 @@ __device__ Tables init_tables(uint8_t* smem) {
 #pragma unroll
     for (int j = 0; j < kSignPer; ++j) sign[threadIdx.x + j * kThreads] = make_uint4(m[j], m[j], m[j], m[j]);
     __syncthreads();
+    return Tables{smem + (threadIdx.x & 15) * 4};
   }
-  return Tables{smem + (threadIdx.x & 15) * 4};
-}
+};
 
 struct Args {
   const uint8_t* w;  // rows of the selected matrix
@@ -274,9 +284,9 @@ struct Args {
 
 // A position in a warp's stream of (group of R rows, K chunk) items.
 struct Cursor {
-  int64_t group;
+  int group;  // a weight has fewer than 2^31 rows
   int chunk;
-  __device__ __forceinline__ void next(int64_t stride, int nchunks) {
+  __device__ __forceinline__ void next(int stride, int nchunks) {
     if (++chunk == nchunks) {
       chunk = 0;
       group += stride;
@@ -305,8 +315,8 @@ constexpr int kSubPerLaneMany = Chunk<Fmt, 2>::kBytes > 1024 ? 1 : 2;
 template <class Fmt, int R, int S>
 constexpr int kStages = std::min(8, std::max(2, 1 + (4096 + R * Chunk<Fmt, S>::kBytes - 1) / (R * Chunk<Fmt, S>::kBytes)));
 
-// Integer dot products start from the bits of 1.5·2^23 (kBiasedZero), so a sum |i| < 2^22 lands in the mantissa of
-// 1.5·2^23 + i and one subtraction gives i as a float, exactly.
+// The top limb's dot product starts from the bits of 1.5·2^23 (kBiasedZero), so a sum |i| < 2^22 lands in the
+// mantissa of 1.5·2^23 + i and one subtraction gives i as a float, exactly.
 constexpr int kBiasedZero = 0x4B400000;
 __device__ __forceinline__ float unbias(int biased) { return __fsub_rn(__int_as_float(biased), 12582912.0f); }
 
@@ -335,15 +345,14 @@ __device__ __forceinline__ void sub_block(const XView& xv, int ncols, const uint
       const float xs = xv.scales[t * xv.nsub + sb];
 #pragma unroll
       for (int r = 0; r < R; ++r) {
-        float I[3];
+        int I[3] = {kBiasedZero, 0, 0};
 #pragma unroll
-        for (int l = 0; l < 3; ++l) {
-          int sum = kBiasedZero;
+        for (int l = 0; l < 3; ++l)
 #pragma unroll
-          for (int j = 0; j < 8; ++j) sum = gpu_dp4a((int)q[r][j], xw[l][j], sum);
-          I[l] = unbias(sum);  // |I| <= 32 * 128 * 128 < 2^22
-        }
-        const float v = __fmaf_rn(I[0], 65536.0f, __fmaf_rn(I[1], 256.0f, I[2]));
+          for (int j = 0; j < 8; ++j) I[l] = gpu_dp4a((int)q[r][j], xw[l][j], I[l]);
+        // |I_l| <= 32 * 128 * 128 = 2^19, so I1·256 + I2 is exact in int32 and its conversion rounds it once,
+        // as an fma(I1, 256, I2) of the exact floats would
+        const float v = __fmaf_rn(unbias(I[0]), 65536.0f, __int2float_rn(I[1] * 256 + I[2]));
         acc[r][t] = __fmaf_rn(__fmul_rn(dw[r], xs), v, acc[r][t]);
       }
     }
@@ -367,8 +376,8 @@ __device__ __forceinline__ void copy_rows(gpu_smem_t dst, int stride, const uint
 }
 
 // A warp's stream of (group of R rows, K chunk) items into its ring of kStages shared-memory stages: groups
-// group0, group0 + stride, ... of R rows over all of K. `start` issues the first kStages - 1 copies, `issue`
-// the next one. The kernels start it before anything else (the selector tables, the token columns and the
+// group0, group0 + stride, ... below group_end of R rows over all of K. `start` issues the first kStages - 1
+// copies, `issue` the next one. The kernels start it right after the tables' loads (the token columns and the
 // activations each cost a global round trip first), so the weights' DRAM latency overlaps them.
 template <class Fmt, int R, int S>
 struct RowStream {
@@ -376,15 +385,15 @@ struct RowStream {
   static constexpr int kCB = C::kBytes, kRS = C::kRowStride, kD = kStages<Fmt, R, S>;
   Args a;
   uint8_t* stages;  // this warp's ring
-  int64_t group0, stride, ngroups;
+  int group0, stride, group_end;
   int nchunks, len_full, len_last;  // per row, from this lane's first copy piece on: a whole chunk, the last
   Cursor in;                        // next item to copy
   int slot_in;
   const uint8_t* src[R];  // chunk `in.chunk` of the rows of group `in.group`, from this lane's first copy piece on
 
-  __device__ RowStream(const Args& args, uint8_t* warp_stages, int64_t first_group, int64_t group_stride)
-      : a(args), stages(warp_stages), group0(first_group), stride(group_stride), ngroups((args.N + R - 1) / R),
-        in{first_group, 0}, slot_in(0) {
+  __device__ RowStream(const Args& args, uint8_t* warp_stages, int first_group, int group_stride, int end)
+      : a(args), stages(warp_stages), group0(first_group), stride(group_stride), group_end(end), in{first_group, 0},
+        slot_in(0) {
     const int lane = threadIdx.x % kLanes, nsub = (int)(a.K / 32);
     nchunks = (nsub + C::kSubs - 1) / C::kSubs;
     len_full = kCB - lane * a.copy_bytes;
@@ -395,9 +404,9 @@ struct RowStream {
   // copy, so group counting stays uniform). A group's rows past N copy its last row again.
   __device__ __forceinline__ void issue() {
     const int v = a.copy_bytes, lane = threadIdx.x % kLanes;
-    if (in.group < ngroups) {
+    if (in.group < group_end) {
       if (in.chunk == 0) {
-        const int64_t row0 = in.group * R;
+        const int64_t row0 = (int64_t)in.group * R;
 #pragma unroll
         for (int r = 0; r < R; ++r) src[r] = a.w + (row0 + r < a.N ? row0 + r : a.N - 1) * a.row_bytes + lane * v;
       }
@@ -417,6 +426,13 @@ struct RowStream {
   __device__ __forceinline__ void start() {
     for (int i = 0; i < kD - 1; ++i) issue();
   }
+
+  // Starts the stream again from its first group (another pass over the same rows).
+  __device__ __forceinline__ void restart() {
+    in = Cursor{group0, 0};
+    slot_in = 0;
+    start();
+  }
 };
 
 // Shared memory of one CTA of W warps: the tables, per warp kStages stages of R staged row chunks, then the
@@ -426,13 +442,13 @@ constexpr int kWarpStageBytes = kStages<Fmt, R, S> * R * Chunk<Fmt, S>::kRowStri
 template <class Fmt, int R, int W, int S>
 constexpr int kFixedSmemBytes = Sub<Fmt>::kTableBytes + W * kWarpStageBytes<Fmt, R, S>;
 
-// This warp's stream of a CTA of W warps in a grid-stride layout: warp w of CTA b takes groups b·W + w, then
-// every gridDim.x·W-th.
+// This warp's stream of a CTA of W warps over groups of R rows of a.w: warp w takes group first + w, then every
+// (stride·W)-th after it, below `end`.
 template <class Fmt, int R, int W, int S>
-__device__ __forceinline__ RowStream<Fmt, R, S> warp_stream(const Args& a, uint8_t* smem) {
+__device__ __forceinline__ RowStream<Fmt, R, S> warp_stream(const Args& a, uint8_t* smem, int first, int stride, int end) {
   const int warp = threadIdx.x / kLanes;
-  return RowStream<Fmt, R, S>(a, smem + Sub<Fmt>::kTableBytes + warp * kWarpStageBytes<Fmt, R, S>,
-                              (int64_t)blockIdx.x * W + warp, (int64_t)gridDim.x * W);
+  return RowStream<Fmt, R, S>(a, smem + Sub<Fmt>::kTableBytes + warp * kWarpStageBytes<Fmt, R, S>, first + warp,
+                              stride * W, end);
 }
 
 // One warp of a CTA of W: the groups of its started stream `rows` times the first ncols tokens of xs; output of
@@ -449,7 +465,7 @@ __device__ void warp_rows(RowStream<Fmt, R, S>& rows, const XSource& xs, const i
   int slot_at = 0;
   const XView xv = stage_x<W>(xs);
   float acc[R][NC];
-  for (; at.group < rows.ngroups; at.next(rows.stride, nchunks), slot_at = slot_at + 1 == D ? 0 : slot_at + 1) {
+  for (; at.group < rows.group_end; at.next(rows.stride, nchunks), slot_at = slot_at + 1 == D ? 0 : slot_at + 1) {
     gpu_copy_wait<D - 2>();
     gpu_syncwarp();
     rows.issue();  // overwrites the stage computed in the previous iteration, which every lane has left
@@ -473,7 +489,7 @@ __device__ void warp_rows(RowStream<Fmt, R, S>& rows, const XSource& xs, const i
       static_assert(V <= kLanes && (V & (V - 1)) == 0, "one output per lane group");
       int index = 0;
       const float s = warp_sums<V>(&acc[0][0], lane, index);
-      const int64_t row = at.group * R + index / NC;
+      const int64_t row = (int64_t)at.group * R + index / NC;
       const int t = index % NC;
       if ((lane & (kLanes / V - 1)) == 0 && row < a.N && t < ncols) a.y[(int64_t)y_rows[t] * a.N + row] = s;
     }
@@ -488,9 +504,13 @@ __global__ void __launch_bounds__(W * kLanes, kWarpsPerSm / W) qmatmul_kernel(Ar
                                                                               bool bf16, int64_t T, int slots) {
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ int s_rows[kMaxCols];
-  RowStream<Fmt, R, S> rows = warp_stream<Fmt, R, W, S>(a, smem);
+  TableFill<Fmt, W> tables;
+  tables.load();
+  // grid-stride over every group: CTA b's warps take groups b·W.., then every gridDim.x·W-th
+  RowStream<Fmt, R, S> rows =
+      warp_stream<Fmt, R, W, S>(a, smem, (int)blockIdx.x * W, (int)gridDim.x, (int)((a.N + R - 1) / R));
   rows.start();
-  const Tables tab = init_tables<Fmt, W>(smem);
+  const Tables tab = tables.store(smem);
   const int64_t t0 = (int64_t)blockIdx.y * slots;
   const int ncols = (int)(T - t0 < slots ? T - t0 : slots);
   if (threadIdx.x < kMaxCols) s_rows[threadIdx.x] = (int)(t0 + threadIdx.x);
@@ -499,10 +519,46 @@ __global__ void __launch_bounds__(W * kLanes, kWarpsPerSm / W) qmatmul_kernel(Ar
                               s_rows, ncols, tab);
 }
 
-// MoE: grid (persistent CTAs, slot p). The CTAs of slot p serve expert ids[p] only if p is its first slot,
-// then loop over all slots choosing it, `slots` (<= NC) at a time: each selected expert is read once per call
-// when no more than `slots` tokens chose it. CTAs of W warps. The first pass's weight copies start as soon as
-// the expert is known.
+// MoE: the C CTAs of a launch shared among its P <= C slots, as evenly as whole CTAs allow: slot q takes
+// `base` of them, one more if q < `rem` (C = base·P + rem), the slots in order.
+struct SlotShares {
+  int base, rem;
+  __device__ __forceinline__ SlotShares(int C, int P) : base(C / P), rem(C % P) {}
+  __device__ __forceinline__ int first(int q) const { return q * base + min(q, rem); }
+  __device__ __forceinline__ int count(int q) const { return base + (q < rem ? 1 : 0); }
+  __device__ __forceinline__ int slot_of(int c) const {
+    const int big = rem * (base + 1);  // the CTAs of the slots with one more
+    return c < big ? c / (base + 1) : rem + (c - big) / base;
+  }
+};
+
+// MoE: CTA c of slot p as one of the workers of p's expert e: every CTA of every slot choosing e is one,
+// numbered in CTA order; `index` of them come before c, `count` in all. Every thread computes it, 32 slots per
+// step: the CTAs of the choosing slots are `base` per slot plus one per slot below `rem`, two ballots' counts.
+struct ExpertWorker {
+  int index, count;
+};
+__device__ ExpertWorker expert_worker(const int32_t* ids, int P, const SlotShares& sh, int p, int c) {
+  const int lane = threadIdx.x % kLanes;
+  const int32_t e = ids[p];
+  int before = 0, all = 0;
+  for (int q0 = 0; q0 < P; q0 += kLanes) {
+    const int q = q0 + lane;
+    const bool hit = q < P && ids[q] == e;
+    const uint32_t hits = gpu_ballot(hit), extra = gpu_ballot(hit && q < sh.rem);
+    const uint32_t below = p - q0 >= kLanes ? 0xFFFFFFFFu : p <= q0 ? 0u : (1u << (p - q0)) - 1u;  // slots q < p
+    before += sh.base * __popc(hits & below) + __popc(extra & below);
+    all += sh.base * __popc(hits) + __popc(extra);
+  }
+  return {before + c - sh.first(p), all};
+}
+
+// MoE: C persistent CTAs shared among the P slots (SlotShares). Every slot's CTAs serve its expert: with m slots
+// choosing expert e, all their CTAs are e's workers, whose warps take e's groups of R rows grid-stride, each
+// group times every one of the m slots, `slots` (<= NC) slots per pass. Each selected expert's rows are read
+// once per call when no more than `slots` tokens chose it, and the work per CTA is about the same whatever the
+// experts' multiplicities (serving an expert on the CTAs of its first slot alone, as before kernel run 14, left
+// an expert chosen by two or three tokens to one slot's CTAs while the others' exited at once).
 template <class Fmt, int NC, int R, int W, int S>
 __global__ void __launch_bounds__(W * kLanes, kWarpsPerSm / W)
     qmatmul_id_kernel(Args a, const void* __restrict__ x, bool bf16, const int32_t* __restrict__ ids, int64_t E, int topk,
@@ -510,31 +566,29 @@ __global__ void __launch_bounds__(W * kLanes, kWarpsPerSm / W)
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ ColTable s_cols;
   __shared__ int s_next;
-  const int p = blockIdx.y;
-  if (!first_slot_of_expert(ids, p)) return;
+  TableFill<Fmt, W> tables;
+  tables.load();
+  const SlotShares sh((int)gridDim.x, P);
+  const int c = (int)blockIdx.x, p = sh.slot_of(c);
   const int32_t e = ids[p];
-  const bool valid = e >= 0 && e < E;
+  if (e < 0 || e >= E) {  // an invalid id: zero rows, shared by the slot's CTAs
+    for (int64_t i = (int64_t)(c - sh.first(p)) * blockDim.x + threadIdx.x; i < a.N; i += (int64_t)sh.count(p) * blockDim.x)
+      a.y[(int64_t)p * a.N + i] = 0.0f;
+    return;
+  }
+  const ExpertWorker wk = expert_worker(ids, P, sh, p, c);
   Args ae = a;
-  ae.w = a.w + (valid ? e : 0) * a.N * a.row_bytes;
-  RowStream<Fmt, R, S> rows = warp_stream<Fmt, R, W, S>(ae, smem);
-  if (valid) rows.start();
-  const Tables tab = init_tables<Fmt, W>(smem);
-  for (int start = p; start < P;) {
-    const bool first_pass = start == p;
-    const int ncols = next_expert_cols(ids, e, topk, P, slots, &start, &s_cols, &s_next);
+  ae.w = a.w + e * a.N * a.row_bytes;
+  RowStream<Fmt, R, S> rows = warp_stream<Fmt, R, W, S>(ae, smem, wk.index * W, wk.count, (int)((a.N + R - 1) / R));
+  rows.start();
+  const Tables tab = tables.store(smem);
+  for (int col = 0;;) {
+    const bool first_pass = col == 0;
+    const int ncols = next_expert_cols(ids, e, topk, P, slots, &col, &s_cols, &s_next);
     if (ncols == 0) break;
-    if (!valid) {
-      const int64_t stride = (int64_t)gridDim.x * blockDim.x;
-      for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < ncols * a.N; i += stride)
-        a.y[(int64_t)s_cols.y_row[i / a.N] * a.N + i % a.N] = 0.0f;
-    } else {
-      if (!first_pass) {
-        rows = warp_stream<Fmt, R, W, S>(ae, smem);
-        rows.start();
-      }
-      const XSource xs{x, bf16, a.K, s_cols.x_row, ncols, slots, smem + kFixedSmemBytes<Fmt, R, W, S>};
-      warp_rows<Fmt, NC, R, W, S>(rows, xs, s_cols.y_row, ncols, tab);
-    }
+    if (!first_pass) rows.restart();
+    const XSource xs{x, bf16, a.K, s_cols.x_row, ncols, slots, smem + kFixedSmemBytes<Fmt, R, W, S>};
+    warp_rows<Fmt, NC, R, W, S>(rows, xs, s_cols.y_row, ncols, tab);
     __syncthreads();  // every warp is done with this pass's activations and columns before the next pass
   }
 }
@@ -688,33 +742,19 @@ int fixed_smem_bytes(int R) {
 template <int NC, int R>
 constexpr int kRowsWith = NC == 8 && R > 2 ? 2 : R;
 
-// CTAs per grid row when `resident` CTAs are shared among `busy` grid rows with work, at least one. The share
-// rounds down for dense tiles (every launched CTA works: rounding up left a tail wave, attn_a at T = 64 39%
-// slower, run 9) and up for MoE slots (`busy` there is a bound, and CTAs of repeated slots exit at once:
-// rounding down left SMs idle, 24-expert calls at T = 4 up to 1.5x slower).
-inline int64_t cta_share(int64_t resident, int busy, bool round_up) {
-  return std::max<int64_t>(1, (resident + (round_up ? busy - 1 : 0)) / busy);
-}
-
-// Launches `kernel` (CTAs of W warps) over a grid of (persistent CTAs, ny): the CTAs that fit on the device at
-// once shared among the `busy_y` grid rows that have work (cta_share), at most one per W row groups.
-template <auto kKernel, int R, int W, class... A>
-void launch_persistent(gpuStream_t stream, const Args& a, int fixed_smem, int slots, unsigned ny, int busy_y,
-                       bool round_up, A... args) {
-  const int smem = fixed_smem + (int)(slots * x_token_bytes(a.K));
-  const int64_t ctas_needed = ctas_for_rows<W>(a.N, R);
-  const int64_t resident = resident_ctas<kKernel, W>(smem);
-  const int64_t per_y = cta_share(resident, busy_y, round_up);
-  kKernel<<<dim3((unsigned)std::min(ctas_needed, per_y), ny), W * kLanes, smem, stream>>>(a, args...);
-}
-
-// Launches the dense matmul: CTAs of W warps, tiles of `slots` <= NC tokens, S sub-blocks per lane and chunk.
+// Launches the dense matmul: CTAs of W warps, tiles of `slots` <= NC tokens (grid y), S sub-blocks per lane and
+// chunk. The CTAs that fit on the device at once are shared among the tiles, rounded down so that every
+// launched CTA works (rounding up left a tail wave: attn_a at T = 64 39% slower, run 9), at least one per tile
+// and at most one per W row groups.
 template <class Fmt, int NC, int R, int W, int S>
 void launch_tiles(gpuStream_t stream, const QDims& d, const Args& a, int slots, const void* x, bool bf16) {
   constexpr int kR = kRowsWith<NC, R>;
-  const unsigned tiles = (unsigned)((d.T + slots - 1) / slots);
-  launch_persistent<qmatmul_kernel<Fmt, NC, kR, W, S>, kR, W>(stream, a, kFixedSmemBytes<Fmt, kR, W, S>, slots, tiles,
-                                                             (int)tiles, false, x, bf16, d.T, slots);
+  constexpr auto kKernel = qmatmul_kernel<Fmt, NC, kR, W, S>;
+  const int64_t tiles = (d.T + slots - 1) / slots;
+  const int smem = kFixedSmemBytes<Fmt, kR, W, S> + (int)(slots * x_token_bytes(a.K));
+  const int64_t per_tile = std::max<int64_t>(1, resident_ctas<kKernel, W>(smem) / tiles);
+  kKernel<<<dim3((unsigned)std::min(ctas_for_rows<W>(a.N, kR), per_tile), (unsigned)tiles), W * kLanes, smem, stream>>>(
+      a, x, bf16, d.T, slots);
 }
 
 // The launch arguments with the widest copy that the rows, a chunk of S sub-blocks per lane and the base address
@@ -774,16 +814,14 @@ bool launch_qmatmul(gpuStream_t stream, const QDims& d, const uint8_t* w, const 
 
 // Launches the MoE matmul (and grouped projections); false when the call does not fit the integer path.
 // Experts busy at once: at most E distinct ones among the P slots (all P with DS4's 256 experts; the G
-// groups of a grouped projection, which every token uses). Slots beyond an expert's first exit at once, so
-// the device is shared among `busy` experts, each with its rows balanced over its warps (run 9: one wave of
-// 11 CTAs per expert for 24 experts instead of three waves of 33, and four rows per group for IQ2_XXS,
-// made the 24-expert IQ2_XXS calls 18-23% faster at T = 1). Token slots: at most T, since an expert is
-// chosen at most once per token unless ids repeat. Where experts serve several tokens each on average (a
-// grouped projection of T > 1), the dense calls' layout for several tokens: one CTA of kWideWarps per SM
-// (its slots room for twice the tokens, staged once per SM), kSubPerLaneMany sub-blocks per lane, rows per
-// group that cost no extra pass, the CTAs shared among the experts rounded down (kernel run 11: DS4's grouped
-// output projection at T = 4 33.7 -> 24.2 us for Q8_0, 30.3 -> 23.7 for IQ2_XXS, from two passes per group
-// on 8-warp CTAs).
+// groups of a grouped projection, which every token uses); the rows per group balance an expert's rows over
+// its share of the device's warps (run 9: four rows per group for IQ2_XXS made the 24-expert calls faster).
+// Token slots: at most T, since an expert is chosen at most once per token unless ids repeat. Where experts
+// serve several tokens each on average (a grouped projection of T > 1), the dense calls' layout for several
+// tokens: one CTA of kWideWarps per SM (its slots room for twice the tokens, staged once per SM),
+// kSubPerLaneMany sub-blocks per lane, rows per group that cost no extra pass (kernel run 11: DS4's grouped
+// output projection at T = 4 33.7 -> 24.2 us for Q8_0, 30.3 -> 23.7 for IQ2_XXS, from two passes per group on
+// 8-warp CTAs).
 template <class Fmt>
 bool launch_qmatmul_id(gpuStream_t stream, const QDims& d, const uint8_t* w, const void* x, bool bf16,
                        const int32_t* ids, float* y) {
@@ -791,13 +829,12 @@ bool launch_qmatmul_id(gpuStream_t stream, const QDims& d, const uint8_t* w, con
   const int busy = (int)std::clamp<int64_t>(d.E, 1, P);  // E = 0: every id invalid, the outputs zeroed
   const int64_t per_expert = std::min<int64_t>(d.T, (P + busy - 1) / busy);
   // Launches CTAs of W warps, S sub-blocks per lane, if `wanted` tokens per expert fit at least `min_slots` slots.
-  const auto launch = [&](auto wc, auto sc, int64_t wanted, int min_slots, bool round_up) {
+  const auto launch = [&](auto wc, auto sc, int64_t wanted, int min_slots) {
     constexpr int W = decltype(wc)::value, S = decltype(sc)::value;
     const Args a = args_for<Fmt, S>(d, w, y);
     bool launched = false;
     if (a.copy_bytes == 0) return launched;
-    const int64_t resident = (int64_t)kWarpsPerSm / W * sm_count();
-    const int64_t warps = cta_share(resident, busy, round_up) * W;  // as launch_persistent will share them
+    const int64_t warps = std::max<int64_t>(1, (int64_t)kWarpsPerSm * sm_count() / busy);  // per busy expert
     const auto slots_of = [&](int R) { return token_slots<W>(d.K, wanted, fixed_smem_bytes<Fmt, W, S>(R)); };
     visit_rows<kMaxRows<Fmt, S>>(rows_with_room(balanced_rows(d.N, warps, kMaxRows<Fmt, S>), wanted, slots_of), [&](auto rc) {
       const int room = token_slots<W>(d.K, d.T, kFixedSmemBytes<Fmt, decltype(rc)::value, W, S>);
@@ -805,19 +842,23 @@ bool launch_qmatmul_id(gpuStream_t stream, const QDims& d, const uint8_t* w, con
       if (slots < min_slots) return;
       visit_cols(slots, [&](auto nc) {
         constexpr int kNC = decltype(nc)::value, kR = kRowsWith<kNC, decltype(rc)::value>;
-        if constexpr (kNC > 1 || W == kWarps)  // passes of several tokens take wide CTAs only
-          launch_persistent<qmatmul_id_kernel<Fmt, kNC, kR, W, S>, kR, W>(stream, a, kFixedSmemBytes<Fmt, kR, W, S>, slots,
-                                                                          (unsigned)P, busy, round_up, x, bf16, ids,
-                                                                          d.E, (int)d.k, P, slots);
+        if constexpr (kNC > 1 || W == kWarps) {  // passes of several tokens take wide CTAs only
+          constexpr auto kKernel = qmatmul_id_kernel<Fmt, kNC, kR, W, S>;
+          const int smem = kFixedSmemBytes<Fmt, kR, W, S> + (int)(slots * x_token_bytes(d.K));
+          // every CTA that fits at once, shared among the slots (at least one each, at most one per W row groups)
+          const int64_t ctas =
+              std::max<int64_t>(P, std::min<int64_t>(resident_ctas<kKernel, W>(smem), P * ctas_for_rows<W>(d.N, kR)));
+          kKernel<<<(unsigned)ctas, W * kLanes, smem, stream>>>(a, x, bf16, ids, d.E, (int)d.k, P, slots);
+        }
       });
       launched = true;
     });
     return launched;
   };
   if (per_expert > 1 && launch(std::integral_constant<int, kWideWarps>{},
-                               std::integral_constant<int, kSubPerLaneMany<Fmt>>{}, per_expert, 2, false))
+                               std::integral_constant<int, kSubPerLaneMany<Fmt>>{}, per_expert, 2))
     return true;
-  return launch(std::integral_constant<int, kWarps>{}, std::integral_constant<int, kSubPerLaneOne>{}, 1, 1, true);
+  return launch(std::integral_constant<int, kWarps>{}, std::integral_constant<int, kSubPerLaneOne>{}, 1, 1);
 }
 
 }  // namespace i8

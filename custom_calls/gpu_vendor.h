@@ -32,6 +32,8 @@ typedef hipError_t gpuError_t;
 __device__ __forceinline__ float gpu_shfl_xor(float v, int mask) { return __shfl_xor(v, mask, 32); }
 __device__ __forceinline__ void gpu_syncwarp() { __builtin_amdgcn_wave_barrier(); }
 __device__ __forceinline__ bool gpu_any(bool pred) { return __any(pred); }
+// The 32 logical lanes' votes (on wave64 the half of the wavefront this lane is in).
+__device__ __forceinline__ uint32_t gpu_ballot(bool pred) { return (uint32_t)(__ballot(pred) >> (__lane_id() & 32)); }
 __device__ __forceinline__ int gpu_dp4a(int a, int b, int c) {
   for (int i = 0; i < 4; ++i) c += (int)(signed char)(a >> (8 * i)) * (int)(signed char)(b >> (8 * i));
   return c;
@@ -72,6 +74,7 @@ typedef cudaError_t gpuError_t;
 __device__ __forceinline__ float gpu_shfl_xor(float v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
 __device__ __forceinline__ void gpu_syncwarp() { __syncwarp(); }
 __device__ __forceinline__ bool gpu_any(bool pred) { return __any_sync(0xffffffffu, pred); }
+__device__ __forceinline__ uint32_t gpu_ballot(bool pred) { return __ballot_sync(0xffffffffu, pred); }
 __device__ __forceinline__ int gpu_dp4a(int a, int b, int c) { return __dp4a(a, b, c); }
 __device__ __forceinline__ uint32_t gpu_byte_select(uint32_t a, uint32_t b, uint32_t sel) {
   uint32_t r;

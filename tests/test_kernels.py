@@ -295,18 +295,23 @@ def test_qmatmul_launch_geometries(device, ggml_type, n, k):
         np.testing.assert_array_equal(got, full[:t_rows])
 
 
-def test_qmatmul_id_many_rows(device):
-    """MoE with enough rows per expert that the GPU groups two rows per warp (1059 rows: a partial last group)."""
+@pytest.mark.parametrize("ggml_type", [GGMLType.Q8_0, GGMLType.IQ2_XXS], ids=lambda t: t.name)
+def test_qmatmul_id_shared_experts(device, ggml_type):
+    """MoE with enough rows per expert that the GPU spreads each expert over several CTAs and groups rows per
+    warp (1059 rows: a partial last group), the experts chosen by 5, 3, 1 and 3 of the 12 slots: every token
+    equals its own one-token call bit for bit, whichever slots' CTAs served its experts, and matches numpy."""
     rng = np.random.default_rng(6)
-    t = GGMLType.IQ2_XXS
     n_experts, n, k = 4, 1059, 1024
-    w = random_packed(rng, t, (n_experts, n), k)
-    x = rng.standard_normal((4, k)).astype(np.float32)
-    ids = np.array([[0, 1], [2, 3], [1, 2], [3, 0]], np.int32)
-    got = np.asarray(_qmatmul_id(*_put(device, x, w, ids), t, "ffi"))
-    assert_moe_matches_dense(got, x, formats.dequantize(w, t, (n_experts, n, k))[ids])
-    one = np.asarray(_qmatmul_id(*_put(device, x[2:3], w, ids[2:3]), t, "ffi"))
-    np.testing.assert_array_equal(one[0], got[2])
+    w = random_packed(rng, ggml_type, (n_experts, n), k)
+    x = rng.standard_normal((6, k)).astype(np.float32)
+    ids = np.array([[0, 1], [0, 3], [1, 0], [3, 2], [0, 3], [1, 0]], np.int32)
+    (wd,) = _put(device, w)
+    xd, idd = _put(device, x, ids)
+    got = np.asarray(_qmatmul_id(xd, wd, idd, ggml_type, "ffi"))
+    assert_moe_matches_dense(got, x, formats.dequantize(w, ggml_type, (n_experts, n, k))[ids])
+    for i in range(len(x)):
+        xi, ii = _put(device, x[i : i + 1], ids[i : i + 1])
+        np.testing.assert_array_equal(np.asarray(_qmatmul_id(xi, wd, ii, ggml_type, "ffi"))[0], got[i])
 
 
 @pytest.mark.parametrize("ggml_type", [GGMLType.Q8_0, GGMLType.IQ2_XXS], ids=lambda t: t.name)
