@@ -30,7 +30,8 @@ namespace i8 {
 // kWarps, or, for most dense calls and grouped projections of several tokens (the launchers say which), one CTA
 // of kWideWarps, which stages the tokens once per SM instead of twice. A third CTA of 8 warps per SM, where
 // shared memory would allow it, measured slower (run 6: 20-30% on the IQ2_XXS expert shapes; run 7: with
-// smaller IQ2_XXS tables, 19% on grouped_o, its rows no longer split evenly across the warps).
+// smaller IQ2_XXS tables, 19% on grouped_o, its rows no longer split evenly across the warps; run 14: one-token
+// IQ2_XXS expert calls with rings sized for 24 warps, 0-10%).
 constexpr int kWarpsPerSm = 16;
 constexpr int kWarps = 8, kWideWarps = 16;
 
