@@ -446,7 +446,8 @@ constexpr int kFixedSmemBytes = Sub<Fmt>::kTableBytes + W * kWarpStageBytes<Fmt,
 // This warp's stream of a CTA of W warps over groups of R rows of a.w: warp w takes group first + w, then every
 // (stride·W)-th after it, below `end`.
 template <class Fmt, int R, int W, int S>
-__device__ __forceinline__ RowStream<Fmt, R, S> warp_stream(const Args& a, uint8_t* smem, int first, int stride, int end) {
+__device__ __forceinline__ RowStream<Fmt, R, S> warp_stream(const Args& a, uint8_t* smem, int first, int stride,
+                                                            int end) {
   const int warp = threadIdx.x / kLanes;
   return RowStream<Fmt, R, S>(a, smem + Sub<Fmt>::kTableBytes + warp * kWarpStageBytes<Fmt, R, S>, first + warp,
                               stride * W, end);
@@ -533,15 +534,14 @@ struct SlotShares {
   }
 };
 
-// MoE: CTA c of slot p as one of the workers of p's expert e: every CTA of every slot choosing e is one,
+// MoE: CTA c of slot p as one of the workers of p's expert e = ids[p]: every CTA of every slot choosing e is one,
 // numbered in CTA order; `index` of them come before c, `count` in all. Every thread computes it, 32 slots per
 // step: the CTAs of the choosing slots are `base` per slot plus one per slot below `rem`, two ballots' counts.
 struct ExpertWorker {
   int index, count;
 };
-__device__ ExpertWorker expert_worker(const int32_t* ids, int P, const SlotShares& sh, int p, int c) {
+__device__ ExpertWorker expert_worker(const int32_t* ids, int32_t e, int P, const SlotShares& sh, int p, int c) {
   const int lane = threadIdx.x % kLanes;
-  const int32_t e = ids[p];
   int before = 0, all = 0;
   for (int q0 = 0; q0 < P; q0 += kLanes) {
     const int q = q0 + lane;
@@ -573,11 +573,12 @@ __global__ void __launch_bounds__(W * kLanes, kWarpsPerSm / W)
   const int c = (int)blockIdx.x, p = sh.slot_of(c);
   const int32_t e = ids[p];
   if (e < 0 || e >= E) {  // an invalid id: zero rows, shared by the slot's CTAs
-    for (int64_t i = (int64_t)(c - sh.first(p)) * blockDim.x + threadIdx.x; i < a.N; i += (int64_t)sh.count(p) * blockDim.x)
+    for (int64_t i = (int64_t)(c - sh.first(p)) * blockDim.x + threadIdx.x; i < a.N;
+         i += (int64_t)sh.count(p) * blockDim.x)
       a.y[(int64_t)p * a.N + i] = 0.0f;
     return;
   }
-  const ExpertWorker wk = expert_worker(ids, P, sh, p, c);
+  const ExpertWorker wk = expert_worker(ids, e, P, sh, p, c);
   Args ae = a;
   ae.w = a.w + e * a.N * a.row_bytes;
   RowStream<Fmt, R, S> rows = warp_stream<Fmt, R, W, S>(ae, smem, wk.index * W, wk.count, (int)((a.N + R - 1) / R));
@@ -733,6 +734,12 @@ int64_t tile_tokens(int64_t T, int64_t N, int R) {
 template <class Fmt, int S>
 constexpr int kMaxRows = 4 * Chunk<Fmt, S>::kBytes <= 4608 ? 4 : 2;
 
+// Dynamic shared memory of a launch of CTAs of W warps, R rows per group, with `slots` token slots of K.
+template <class Fmt, int R, int W, int S>
+int launch_smem_bytes(int slots, int64_t K) {
+  return kFixedSmemBytes<Fmt, R, W, S> + (int)(slots * x_token_bytes(K));
+}
+
 // kFixedSmemBytes for a run-time R in {1, 2, 4}.
 template <class Fmt, int W, int S>
 int fixed_smem_bytes(int R) {
@@ -752,7 +759,7 @@ void launch_tiles(gpuStream_t stream, const QDims& d, const Args& a, int slots, 
   constexpr int kR = kRowsWith<NC, R>;
   constexpr auto kKernel = qmatmul_kernel<Fmt, NC, kR, W, S>;
   const int64_t tiles = (d.T + slots - 1) / slots;
-  const int smem = kFixedSmemBytes<Fmt, kR, W, S> + (int)(slots * x_token_bytes(a.K));
+  const int smem = launch_smem_bytes<Fmt, kR, W, S>(slots, a.K);
   const int64_t per_tile = std::max<int64_t>(1, resident_ctas<kKernel, W>(smem) / tiles);
   kKernel<<<dim3((unsigned)std::min(ctas_for_rows<W>(a.N, kR), per_tile), (unsigned)tiles), W * kLanes, smem, stream>>>(
       a, x, bf16, d.T, slots);
@@ -845,7 +852,7 @@ bool launch_qmatmul_id(gpuStream_t stream, const QDims& d, const uint8_t* w, con
         constexpr int kNC = decltype(nc)::value, kR = kRowsWith<kNC, decltype(rc)::value>;
         if constexpr (kNC > 1 || W == kWarps) {  // passes of several tokens take wide CTAs only
           constexpr auto kKernel = qmatmul_id_kernel<Fmt, kNC, kR, W, S>;
-          const int smem = kFixedSmemBytes<Fmt, kR, W, S> + (int)(slots * x_token_bytes(d.K));
+          const int smem = launch_smem_bytes<Fmt, kR, W, S>(slots, d.K);
           // every CTA that fits at once, shared among the slots (at least one each, at most one per W row groups)
           const int64_t ctas =
               std::max<int64_t>(P, std::min<int64_t>(resident_ctas<kKernel, W>(smem), P * ctas_for_rows<W>(d.N, kR)));
