@@ -8,6 +8,7 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_i8_model.h"
 #include "ffi_common.h"
 #include "hc_math.h"
 
@@ -65,6 +66,27 @@ ffi::Error QMatmulCpu(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBu
   if (x.element_type() == ffi::DataType::BF16)
     return qmatmul_typed(d, ggml_type, static_cast<const bf16_t*>(x.untyped_data()), wp, yp);
   return qmatmul_typed(d, ggml_type, static_cast<const float*>(x.untyped_data()), wp, yp);
+}
+
+// The GPU integer path's arithmetic on the CPU (cpu_i8_model.h), for the formats that path serves and rows it
+// can stage (a multiple of 4 bytes): the CPU tests' check of its numerics, and the GPU tests' exact oracle.
+ffi::Error QMatmulI8ModelCpu(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y, int32_t ggml_type) {
+  QDims d;
+  if (auto e = check_qdims(x, w, ggml_type, false, &d); e.failure()) return e;
+  if (d.row_bytes % 4 != 0)
+    return arg_error("the integer path needs rows of a multiple of 4 bytes, got " + std::to_string(d.row_bytes));
+  const auto* wp = static_cast<const uint8_t*>(w.untyped_data());
+  auto* yp = static_cast<float*>(y->untyped_data());
+  const bool bf16 = x.element_type() == ffi::DataType::BF16;
+  const void* xp = x.untyped_data();
+  if (!i8math::visit_i8_format(ggml_type, [&](auto fmt) {
+        using Fmt = decltype(fmt);
+        if (bf16) i8model::qmatmul<Fmt>(wp, d.N, d.K, d.row_bytes, static_cast<const bf16_t*>(xp), d.T, yp);
+        else i8model::qmatmul<Fmt>(wp, d.N, d.K, d.row_bytes, static_cast<const float*>(xp), d.T, yp);
+        return true;
+      }))
+    return arg_error("the integer-path model serves Q8_0 and IQ2_XXS, not ggml type " + std::to_string(ggml_type));
+  return ffi::Error::Success();
 }
 
 // MoE: y[t, j, :] = W[ids[t, j]] · x[t]. Each distinct expert is decoded once per chunk of kCols (t, j) pairs;
@@ -191,6 +213,11 @@ namespace ffi = xla::ffi;
 
 DSPARK_EXPORT XLA_FFI_Error* DsparkQMatmulCpu(XLA_FFI_CallFrame*);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DsparkQMatmulCpu, dspark::QMatmulCpu,
+                              ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()
+                                  .Attr<int32_t>("ggml_type"));
+
+DSPARK_EXPORT XLA_FFI_Error* DsparkQMatmulI8ModelCpu(XLA_FFI_CallFrame*);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DsparkQMatmulI8ModelCpu, dspark::QMatmulI8ModelCpu,
                               ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()
                                   .Attr<int32_t>("ggml_type"));
 

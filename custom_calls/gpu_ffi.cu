@@ -19,6 +19,7 @@
 
 #include "ffi_common.h"
 #include "hc_math.h"
+#include "i8_math.h"
 
 namespace dspark {
 namespace {
@@ -287,17 +288,9 @@ ffi::Error launch_error() {
 
 #include "gpu_i8_matvec.cuh"  // namespace i8: the integer path (uses the constants and ColTable above)
 
-// Calls f(Fmt{}) for the two formats of the integer path and returns its result; false for other formats.
-template <class F>
-bool visit_i8_format(int32_t type, F&& f) {
-  if (type == kQ8_0) return f(FmtQ8_0{});
-  if (type == kIQ2_XXS) return f(FmtIQ2_XXS{});
-  return false;
-}
-
 template <class XT>
 void launch_qmatmul(gpuStream_t stream, const QDims& d, int32_t type, const uint8_t* w, const void* x, float* y) {
-  if (visit_i8_format(type, [&](auto fmt) {
+  if (i8math::visit_i8_format(type, [&](auto fmt) {
         return i8::launch_qmatmul<decltype(fmt)>(stream, d, w, x, std::is_same_v<XT, bf16_t>, y);
       }))
     return;
@@ -327,7 +320,7 @@ ffi::Error QMatmulGpu(gpuStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ff
 template <class XT>
 void launch_qmatmul_id(gpuStream_t stream, const QDims& d, int32_t type, const uint8_t* w, const void* x,
                        const int32_t* ids, float* y) {
-  if (visit_i8_format(type, [&](auto fmt) {
+  if (i8math::visit_i8_format(type, [&](auto fmt) {
         return i8::launch_qmatmul_id<decltype(fmt)>(stream, d, w, x, std::is_same_v<XT, bf16_t>, ids, y);
       }))
     return;

@@ -1,4 +1,5 @@
-// GPU packed matvec for Q8_0 and IQ2_XXS on integer dot products (included by gpu_ffi.cu).
+// GPU packed matvec for Q8_0 and IQ2_XXS on integer dot products (included by gpu_ffi.cu; the arithmetic per
+// lane is i8_math.h's, which the CPU plugin's model of this path shares).
 //
 // Why: at decode widths the matvec must stream weights at memory speed, and an fp32 multiply-add per
 // weight plus the decode of each weight to fp32 costs more instructions than an H200 SM can issue at that
@@ -25,6 +26,7 @@
 // or 4-byte (tables) loads: fewer table copies measured slower (docs/kernels.md has the limits).
 
 namespace i8 {
+using namespace ::dspark::i8math;  // the arithmetic, shared with the CPU plugin's model of this path
 
 // Warps per SM these kernels are laid out for (launch bounds, token_slots, the rows per group): two CTAs of
 // kWarps, or, for most dense calls and grouped projections of several tokens (the launchers say which), one CTA
@@ -57,43 +59,6 @@ struct XSource {
   int ntok, slots;
   uint8_t* dst;
 };
-
-// The block exponent e of a largest magnitude m (bits of a finite float > 0): 2^(e-1) <= m < 2^e, as frexpf
-// gives it, from the bits (subnormals included).
-__device__ __forceinline__ int block_exponent(uint32_t m) {
-  return m >= 0x00800000u ? (int)(m >> 23) - 126 : -117 - __clz((int)m);
-}
-
-// 2^n as a float from its bits: pow2_normal for -126 <= n <= 127; exp2_int for any n >= -149 (subnormal below
-// -126) and 0 below, which is ldexpf(1, n) exactly.
-__device__ __forceinline__ float pow2_normal(int n) { return __uint_as_float((uint32_t)(n + 127) << 23); }
-__device__ __forceinline__ float exp2_int(int n) {
-  return n >= -126 ? pow2_normal(n) : __uint_as_float(n >= -149 ? 1u << (n + 149) : 0u);
-}
-
-// Limbs of eight activations of one sub-block whose largest magnitude is below 2^e: byte k of limbs[l][h] is limb
-// l of element 4h + k (limb 0 the most significant). X = rint(x · 2^(22-e)) as ldexpf would scale it: 22 - e
-// lies in [-106, 171], so the scale is one multiply by a normal power of two and, past 2^127, a second exact
-// scale-up, folded into an fma onto 1.5·2^23: with |X| <= 2^22 the sum lies in [2^23, 2^24], where the float's
-// bits minus those of 1.5·2^23 are X, rounded to nearest even as __float2int_rn would (one integer subtraction
-// instead of a conversion). Y = X + 0x808080 lies in [0, 2^24) and its bytes are the balanced base-256 digits
-// of X plus 128 (the digits are unique), so limb l is byte 2 - l of Y with its top bit flipped.
-__device__ __forceinline__ void limbs8(const float v[8], int e, uint32_t limbs[3][2]) {
-  const int n = 22 - e, n1 = min(n, 127);
-  const float f1 = pow2_normal(n1), f2 = pow2_normal(n - n1);
-  uint32_t y[8];
-#pragma unroll
-  for (int k = 0; k < 8; ++k)
-    y[k] = __float_as_uint(__fmaf_rn(__fmul_rn(v[k], f1), f2, 12582912.0f)) - (0x4B400000u - 0x808080u);
-#pragma unroll
-  for (int l = 0; l < 3; ++l) {
-    const uint32_t pick = (uint32_t)(2 - l) | (uint32_t)(6 - l) << 4;  // byte 2 - l of the first and second word
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-      limbs[l][h] = __byte_perm(__byte_perm(y[4 * h], y[4 * h + 1], pick), __byte_perm(y[4 * h + 2], y[4 * h + 3], pick),
-                                0x5410) ^ 0x80808080u;
-  }
-}
 
 // Steps of a warp's staging loop whose global loads are in flight together (two sub-blocks per lane group).
 constexpr int kStageBatch = 2;
@@ -160,87 +125,7 @@ __device__ __forceinline__ XView stage_x(const XSource& src) {
   return XView{reinterpret_cast<const uint4*>(src.dst), scales, (int)(src.K / 32)};
 }
 
-// ---- sub-block decoders: 32 weights of a staged chunk as 8 words of int8, and the sub-block's scale ----
-// IQ2_XXS decodes 8 weights with two byte permutes: byte k of the result is byte c_k of the pool
-// {8, 25, 43, -8, -25, -43} where c_k = grid code (0, 1, 2 for the magnitudes 8, 25, 43) + 3 · sign bit. The
-// selector nibbles c_0..c_7 are the sum of two table words, one per grid index (its codes) and one per stored
-// sign pattern (3 where a weight is negative). Both tables are replicated 16 times (copy = lane % 16, 4-byte
-// entries: a warp's lookups take at most two shared-memory wavefronts): grid[256][16] at byte 0,
-// sign[128][16] at byte kGridBytes.
-constexpr int kGridBytes = 256 * 16 * 4;
-constexpr int kSignBytes = 128 * 16 * 4;
-constexpr uint32_t kPoolLo = 0xF82B1908u;  // bytes 8, 25, 43, -8
-constexpr uint32_t kPoolHi = 0x0000D5E7u;  // bytes -25, -43
-
-struct Tables {
-  const uint8_t* base;  // the tables, plus this lane's copy offset (lane % 16) * 4
-};
-
-template <class Fmt>
-struct Sub;
-
-template <>
-struct Sub<FmtQ8_0> {  // half d @0; int8 qs[32] @2: one block per sub-block
-  static constexpr int bytes_of(int subs) { return subs * 34; }
-  static constexpr int kTableBytes = 0;
-  __device__ __forceinline__ static float decode(const uint8_t* chunk, int sub, uint32_t q[8], const Tables&) {
-    const uint32_t b = 34u * (uint32_t)sub;
-    const float d = __half2float(__ushort_as_half(*reinterpret_cast<const uint16_t*>(chunk + b)));
-    const uint32_t* wp = reinterpret_cast<const uint32_t*>(chunk + ((b + 2u) & ~3u));
-    const uint32_t sh = ((b + 2u) & 3u) * 8u;
-    uint32_t w[9];
-#pragma unroll
-    for (int i = 0; i < 9; ++i) w[i] = wp[i];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) q[i] = __funnelshift_r(w[i], w[i + 1], sh);
-    return d;
-  }
-};
-
-template <>
-struct Sub<FmtIQ2_XXS> {  // half d @0; 8 x (u8 grid index[4], u32 signs|scale) @2: 8 sub-blocks per block
-  static constexpr int bytes_of(int subs) { return subs / 8 * 66; }
-  static constexpr int kTableBytes = kGridBytes + kSignBytes;
-  __device__ __forceinline__ static float decode(const uint8_t* chunk, int sub, uint32_t q[8], const Tables& tab) {
-    const uint32_t blk = 66u * (uint32_t)(sub >> 3);
-    const uint32_t o = blk + 2u + 8u * (uint32_t)(sub & 7);
-    const uint32_t* wp = reinterpret_cast<const uint32_t*>(chunk + (o & ~3u));
-    const uint32_t sh = (o & 3u) * 8u;
-    const uint32_t w0 = wp[0], w1 = wp[1], w2 = wp[2];
-    const uint32_t idx = __funnelshift_r(w0, w1, sh), a1 = __funnelshift_r(w1, w2, sh);
-    const float d = __half2float(__ushort_as_half(*reinterpret_cast<const uint16_t*>(chunk + blk)));
-#pragma unroll
-    for (int l = 0; l < 4; ++l) {
-      // byte offsets of entry (index · 16 + copy) · 4: the index lands in bits 6.. of the offset.
-      const uint32_t g_at = (l == 0 ? idx << 6 : idx >> (8 * l - 6)) & 0x3FC0u;
-      const uint32_t s_at = (l == 0 ? a1 << 6 : a1 >> (7 * l - 6)) & 0x1FC0u;
-      // nibbles at most 2 + 3: the sum never carries into the next nibble
-      const uint32_t sel = *reinterpret_cast<const uint32_t*>(tab.base + g_at) +
-                           *reinterpret_cast<const uint32_t*>(tab.base + kGridBytes + s_at);
-      q[2 * l] = gpu_byte_select(kPoolLo, kPoolHi, sel);  // reads selector bits 0..15
-      q[2 * l + 1] = gpu_byte_select(kPoolLo, kPoolHi, sel >> 16);
-    }
-    return __fmul_rn(__fmul_rn(d, __fadd_rn(0.5f, (float)(a1 >> 28))), 0.25f);
-  }
-};
-
-// Selector words of the IQ2_XXS tables: nibble k of grid word i is the code of byte k of grid entry i (its
-// magnitude 8, 25 or 43 as 0, 1, 2); nibble k of sign word i is 3 where bit k of iq2_sign_byte(i) is set.
-struct Iq2Selectors {
-  uint32_t grid[256], sign[128];
-};
-constexpr Iq2Selectors make_iq2_selectors() {
-  Iq2Selectors t{};
-  for (int i = 0; i < 256; ++i)
-    for (int k = 0; k < 8; ++k) {
-      const uint32_t m = (uint32_t)(kIq2xxsGridHost[i] >> (8 * k)) & 0xFFu;
-      t.grid[i] |= (m == 8 ? 0u : m == 25 ? 1u : 2u) << (4 * k);
-    }
-  for (uint32_t i = 0; i < 128; ++i)
-    for (int k = 0; k < 8; ++k)
-      if ((iq2_sign_byte(i) >> k) & 1u) t.sign[i] |= 3u << (4 * k);
-  return t;
-}
+// ---- sub-block decoders (i8_math.h) and the IQ2_XXS tables in shared memory ----
 __device__ const Iq2Selectors kIq2SelectorsDevice = make_iq2_selectors();
 
 // The replicated tables of a CTA of W warps, filled from the device's constant arrays in two steps: `load` reads
@@ -316,11 +201,6 @@ constexpr int kSubPerLaneMany = Chunk<Fmt, 2>::kBytes > 1024 ? 1 : 2;
 template <class Fmt, int R, int S>
 constexpr int kStages = std::min(8, std::max(2, 1 + (4096 + R * Chunk<Fmt, S>::kBytes - 1) / (R * Chunk<Fmt, S>::kBytes)));
 
-// The top limb's dot product starts from the bits of 1.5·2^23 (kBiasedZero), so a sum |i| < 2^22 lands in the
-// mantissa of 1.5·2^23 + i and one subtraction gives i as a float, exactly.
-constexpr int kBiasedZero = 0x4B400000;
-__device__ __forceinline__ float unbias(int biased) { return __fsub_rn(__int_as_float(biased), 12582912.0f); }
-
 // Sub-block `sub` of a staged chunk (global sub-block index sb) for R rows and the first ncols of NC token
 // slots: exact int32 limb dot products (their summation order is free: integer adds are exact), then one fixed
 // fp32 sequence into acc. A group's rows past N hold copies of its last row (see warp_rows), so every row is
@@ -346,15 +226,8 @@ __device__ __forceinline__ void sub_block(const XView& xv, int ncols, const uint
       const float xs = xv.scales[t * xv.nsub + sb];
 #pragma unroll
       for (int r = 0; r < R; ++r) {
-        int I[3] = {kBiasedZero, 0, 0};
-#pragma unroll
-        for (int l = 0; l < 3; ++l)
-#pragma unroll
-          for (int j = 0; j < 8; ++j) I[l] = gpu_dp4a((int)q[r][j], xw[l][j], I[l]);
-        // |I_l| <= 32 * 128 * 128 = 2^19, so I1·256 + I2 is exact in int32 and its conversion rounds it once,
-        // as an fma(I1, 256, I2) of the exact floats would
-        const float v = __fmaf_rn(unbias(I[0]), 65536.0f, __int2float_rn(I[1] * 256 + I[2]));
-        acc[r][t] = __fmaf_rn(__fmul_rn(dw[r], xs), v, acc[r][t]);
+        const float v = sub_block_value(q[r], xw);
+        acc[r][t] = f32_fma(f32_mul(dw[r], xs), v, acc[r][t]);
       }
     }
   }

@@ -7,7 +7,9 @@ of every format is exercised, not only what a quantizer would produce.
 
 from __future__ import annotations
 
+import _ctypes
 import functools
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -18,11 +20,12 @@ from hypothesis import strategies as st
 
 from dsparkjax import formats, kernels, timing
 from dsparkjax.errors import FormatError, UnsupportedTypeError
-from dsparkjax.formats import GGMLType, block_size
+from dsparkjax.formats import GGMLType, block_size, type_size
 from dsparkjax.kernels import synthetic
 from dsparkjax.model import hc as hc_ref
 
 TYPES = sorted(kernels.KERNEL_TYPES)
+INT_PATH_TYPES = [GGMLType.Q8_0, GGMLType.IQ2_XXS]  # the formats of the GPU integer path
 
 
 def _gpu_device() -> jax.Device | None:
@@ -30,6 +33,14 @@ def _gpu_device() -> jax.Device | None:
         return jax.devices("gpu")[0]
     except RuntimeError:
         return None
+
+
+@pytest.fixture
+def cpu_device() -> jax.Device:
+    """The CPU, whose plugin must be loaded (it also serves GPU tests' CPU-side oracles)."""
+    if not kernels.ffi.available("cpu"):
+        pytest.fail(f"CPU plugin not loaded: {kernels.ffi._STATUS['cpu']}")
+    return jax.devices("cpu")[0]
 
 
 @pytest.fixture(params=["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
@@ -41,9 +52,7 @@ def device(request) -> jax.Device:
         if not kernels.ffi.available("gpu"):
             pytest.skip(f"CUDA plugin not loaded: {kernels.ffi._STATUS['gpu']}")
         return dev
-    if not kernels.ffi.available("cpu"):
-        pytest.fail(f"CPU plugin not loaded: {kernels.ffi._STATUS['cpu']}")
-    return jax.devices("cpu")[0]
+    return request.getfixturevalue("cpu_device")
 
 
 def random_packed(rng: np.random.Generator, t: GGMLType, rows: tuple[int, ...], k: int) -> np.ndarray:
@@ -328,6 +337,98 @@ def test_qmatmul_long_rows(device, ggml_type):
     np.testing.assert_array_equal(np.asarray(_qmatmul(xd[1:2], wd, ggml_type, "ffi")), got[1:2])
 
 
+# --------------------------------------------------------------------------- the GPU integer path's model
+@functools.partial(jax.jit, static_argnames=("ggml_type",))
+def _i8_model(x, w, ggml_type):
+    return kernels.ffi.qmatmul_i8_model(x, w, ggml_type)
+
+
+def _aligned_blocks(t: GGMLType, nblocks: int) -> int:
+    """The fewest blocks >= nblocks whose row is a multiple of 4 bytes (the integer path stages such rows)."""
+    while (nblocks * type_size(t)) % 4:
+        nblocks += 1
+    return nblocks
+
+
+@pytest.mark.parametrize("ggml_type", INT_PATH_TYPES, ids=lambda t: t.name)
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    n=st.sampled_from([1, 5, 33]),
+    nblocks=st.sampled_from([1, 3, 9]),
+    t_rows=st.integers(1, 3),
+    bf16=st.booleans(),
+    log2_scale=st.sampled_from([0, -60, -135, 90]),  # subnormal activations, and block exponents past 2^127
+    zero_block=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_i8_model_matches_dense(cpu_device, ggml_type, n, nblocks, t_rows, bf16, log2_scale, zero_block, seed):
+    """The GPU integer path's arithmetic (int8-limb activations, exact int32 sub-block products, its fp32 order)
+    modelled on the CPU matches float64 numpy within the fp32 bound, at any activation exponent."""
+    rng = np.random.default_rng(seed)
+    k = _aligned_blocks(ggml_type, nblocks) * block_size(ggml_type)
+    w = random_packed(rng, ggml_type, (n,), k)
+    x = (rng.standard_normal((t_rows, k)) * 2.0**log2_scale).astype(np.float32)
+    if zero_block:
+        x[:, 32:64] = 0.0
+    if bf16:
+        x = np.asarray(jnp.asarray(x, jnp.bfloat16))
+    got = np.asarray(_i8_model(*_put(cpu_device, x, w), int(ggml_type)))
+    assert got.shape == (t_rows, n)
+    assert_matches_dense(got, x, formats.dequantize(w, ggml_type, (n, k)))
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf], ids=["nan", "inf"])
+def test_i8_model_non_finite_activation(cpu_device, bad):
+    """A NaN or inf makes its token's outputs NaN and leaves the other token's exactly as without it."""
+    rng = np.random.default_rng(9)
+    t, k = GGMLType.IQ2_XXS, 512
+    w = random_packed(rng, t, (4,), k)
+    x = rng.standard_normal((2, k)).astype(np.float32)
+    clean = np.asarray(_i8_model(*_put(cpu_device, x, w), int(t)))
+    x[0, 300] = bad
+    got = np.asarray(_i8_model(*_put(cpu_device, x, w), int(t)))
+    assert np.all(np.isnan(got[0]))
+    np.testing.assert_array_equal(got[1], clean[1])
+
+
+def test_i8_model_rejects_what_the_integer_path_does_not_serve(cpu_device):
+    x = np.ones((1, 64), np.float32)
+    q2 = random_packed(np.random.default_rng(0), GGMLType.Q2_0_ROCMFP2, (2,), 64)
+    with pytest.raises(Exception, match="serves Q8_0 and IQ2_XXS"):
+        _i8_model(*_put(cpu_device, x, q2), int(GGMLType.Q2_0_ROCMFP2)).block_until_ready()
+    q8 = random_packed(np.random.default_rng(0), GGMLType.Q8_0, (2,), 32)  # 34-byte rows
+    with pytest.raises(Exception, match="multiple of 4 bytes"):
+        _i8_model(*_put(cpu_device, x[:, :32], q8), int(GGMLType.Q8_0)).block_until_ready()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ggml_type", INT_PATH_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("n, k", [(37, 768), (300, 4096), (1059, 2048)], ids=["partial_chunk", "ds4_k", "many_rows"])
+def test_gpu_integer_path_equals_its_model(cpu_device, ggml_type, n, k):
+    """The GPU's dense, MoE and grouped calls give the CPU model's bits for every row and token (T = 1, 4, 8):
+    the integer path computes what cpu_i8_model.h says, in every launch geometry these shapes take."""
+    dev = _gpu_device()
+    if dev is None or not kernels.ffi.available("gpu"):
+        pytest.skip("needs a GPU and the CUDA plugin")
+    rng = np.random.default_rng(10)
+    w = random_packed(rng, ggml_type, (3, n), k)
+    x = rng.standard_normal((8, k)).astype(np.float32)
+    model = [np.asarray(_i8_model(*_put(cpu_device, x, w[e]), int(ggml_type))) for e in range(3)]
+    wd = jax.device_put(w, dev)
+    for t_rows in (1, 4, 8):
+        xd = jax.device_put(x[:t_rows], dev)
+        np.testing.assert_array_equal(np.asarray(_qmatmul(xd, wd[1], ggml_type, "ffi")), model[1][:t_rows])
+        ids = np.stack([np.arange(t_rows) % 3, (np.arange(t_rows) + 1) % 3], axis=1).astype(np.int32)
+        got = np.asarray(_qmatmul_id(xd, wd, jax.device_put(ids, dev), ggml_type, "ffi"))
+        for t in range(t_rows):
+            for j in range(2):
+                np.testing.assert_array_equal(got[t, j], model[ids[t, j]][t])
+        grouped = np.asarray(kernels.qmatmul_grouped(jax.device_put(np.repeat(x[:t_rows, None], 3, 1), dev), wd,
+                                                     ggml_type, backend="ffi"))
+        for g in range(3):
+            np.testing.assert_array_equal(grouped[:, g], model[g][:t_rows])
+
+
 # --------------------------------------------------------------------------- mHC
 HC = {"iters": 20, "hc_eps": 1e-6, "norm_eps": 1e-6}
 
@@ -407,6 +508,15 @@ def test_missing_plugin_message(monkeypatch):
     with pytest.raises(kernels.PluginError, match="build"):
         kernels.qmatmul(x, w, GGMLType.Q8_0, backend="ffi")
     assert kernels.qmatmul(x, w, GGMLType.Q8_0).shape == (1, 2)  # default falls back to the reference
+
+
+def test_foreign_or_stale_plugin_message(monkeypatch, tmp_path):
+    """A library under the plugin's name that lacks its symbols (another library, or a plugin built from older
+    sources) is refused with a PluginError that names it, not an AttributeError from ctypes."""
+    shutil.copy(_ctypes.__file__, tmp_path / "libdspark_cpu_ffi.so")  # a shared library, not ours
+    monkeypatch.setenv("DSPARKJAX_LIB_DIR", str(tmp_path))
+    with pytest.raises(kernels.PluginError, match="has no symbol DsparkFfiApiMajor"):
+        kernels.ffi._load("cpu")
 
 
 def test_plugin_ffi_api_not_newer_than_runtime():

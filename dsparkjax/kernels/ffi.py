@@ -34,6 +34,8 @@ _OPS = {
     "dspark_hc_pre": "DsparkHcPre",
     "dspark_hc_post": "DsparkHcPost",
 }
+# ops of the CPU plugin alone: the model of the GPU integer path (`qmatmul_i8_model`)
+_CPU_OPS = {"dspark_qmatmul_i8_model": "DsparkQMatmulI8Model"}
 
 
 class PluginError(DsparkError):
@@ -45,11 +47,12 @@ class _PluginSpec:
     library: str  # file name
     platform: str  # jax.ffi.register_ffi_target platform string
     suffix: str  # handler symbol suffix
+    ops: dict[str, str]  # op name -> handler symbol stem
 
 
 _PLUGINS = {
-    "cpu": _PluginSpec("libdspark_cpu_ffi.so", "cpu", "Cpu"),
-    "gpu": _PluginSpec("libdspark_cuda_ffi.so", "CUDA", "Cuda"),
+    "cpu": _PluginSpec("libdspark_cpu_ffi.so", "cpu", "Cpu", {**_OPS, **_CPU_OPS}),
+    "gpu": _PluginSpec("libdspark_cuda_ffi.so", "CUDA", "Cuda", _OPS),
 }
 
 
@@ -85,15 +88,23 @@ def _load(kind: str) -> tuple[int, int]:
         lib = ctypes.CDLL(str(path))
     except OSError as e:
         raise PluginError(f"cannot load {path}: {e}") from e
-    built = (lib.DsparkFfiApiMajor(), lib.DsparkFfiApiMinor())
+
+    def symbol(name: str):
+        try:
+            return getattr(lib, name)
+        except AttributeError as e:
+            raise PluginError(f"{path} has no symbol {name} (not a dsparkjax plugin, or built from older sources); "
+                              f"{BUILD_HINT}") from e
+
+    built = (symbol("DsparkFfiApiMajor")(), symbol("DsparkFfiApiMinor")())
     runtime = runtime_ffi_api_version()
     if built[0] != runtime[0] or built[1] > runtime[1]:
         raise PluginError(
             f"{path} was built against XLA FFI API {built[0]}.{built[1]} but this jaxlib ({jax.__version__}) "
             f"provides {runtime[0]}.{runtime[1]}; rebuild it against the oldest supported jaxlib (0.10.2)"
         )
-    for target, stem in _OPS.items():
-        fn = getattr(lib, stem + spec.suffix)
+    handlers = {target: symbol(stem + spec.suffix) for target, stem in spec.ops.items()}  # all, before registering
+    for target, fn in handlers.items():
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(fn), platform=spec.platform)
     return built
 
@@ -139,6 +150,15 @@ def qmatmul_id(x: jax.Array, w_packed: jax.Array, ids: jax.Array, ggml_type: int
     """FFI MoE matmul: x `[T, K]`, w_packed uint8 `[E, N, row_bytes]`, ids int32 `[T, k]` -> f32 `[T, k, N]`."""
     out = jax.ShapeDtypeStruct((x.shape[0], ids.shape[1], w_packed.shape[1]), jnp.float32)
     return _call("dspark_qmatmul_id", out, x, w_packed, ids, ggml_type=np.int32(ggml_type))
+
+
+def qmatmul_i8_model(x: jax.Array, w_packed: jax.Array, ggml_type: int) -> jax.Array:
+    """The GPU integer path's result computed on the CPU, bit for bit (custom_calls/cpu_i8_model.h): x `[T, K]`
+    (f32|bf16) and w_packed uint8 `[N, row_bytes]` (Q8_0 or IQ2_XXS, rows a multiple of 4 bytes) on the
+    CPU -> float32 `[T, N]`. What the GPU's `qmatmul` (dense, MoE and grouped alike) returns for each row and
+    token; the CPU tests check it against numpy and the GPU tests check the device against it."""
+    out = jax.ShapeDtypeStruct((x.shape[0], w_packed.shape[0]), jnp.float32)
+    return _call("dspark_qmatmul_i8_model", out, x, w_packed, ggml_type=np.int32(ggml_type))
 
 
 def hc_pre(
