@@ -403,7 +403,7 @@ def test_i8_model_rejects_what_the_integer_path_does_not_serve(cpu_device):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("ggml_type", INT_PATH_TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("n, k", [(37, 768), (300, 4096), (1059, 2048)], ids=["partial_chunk", "ds4_k", "many_rows"])
+@pytest.mark.parametrize("n, k", [(37, 1536), (300, 4096), (1059, 2048)], ids=["partial_chunk", "ds4_k", "many_rows"])
 def test_gpu_integer_path_equals_its_model(cpu_device, ggml_type, n, k):
     """The GPU's dense, MoE and grouped calls give the CPU model's bits for every row and token (T = 1, 4, 8):
     the integer path computes what cpu_i8_model.h says, in every launch geometry these shapes take."""
