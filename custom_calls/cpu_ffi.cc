@@ -73,20 +73,24 @@ ffi::Error QMatmulCpu(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBu
 ffi::Error QMatmulI8ModelCpu(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y, int32_t ggml_type) {
   QDims d;
   if (auto e = check_qdims(x, w, ggml_type, false, &d); e.failure()) return e;
-  if (d.row_bytes % 4 != 0)
-    return arg_error("the integer path needs rows of a multiple of 4 bytes, got " + std::to_string(d.row_bytes));
   const auto* wp = static_cast<const uint8_t*>(w.untyped_data());
   auto* yp = static_cast<float*>(y->untyped_data());
-  const bool bf16 = x.element_type() == ffi::DataType::BF16;
   const void* xp = x.untyped_data();
-  if (!i8math::visit_i8_format(ggml_type, [&](auto fmt) {
-        using Fmt = decltype(fmt);
-        if (bf16) i8model::qmatmul<Fmt>(wp, d.N, d.K, d.row_bytes, static_cast<const bf16_t*>(xp), d.T, yp);
-        else i8model::qmatmul<Fmt>(wp, d.N, d.K, d.row_bytes, static_cast<const float*>(xp), d.T, yp);
-        return true;
-      }))
-    return arg_error("the integer-path model serves Q8_0 and IQ2_XXS, not ggml type " + std::to_string(ggml_type));
-  return ffi::Error::Success();
+  const bool bf16 = x.element_type() == ffi::DataType::BF16;
+  ffi::Error result =
+      arg_error("the integer-path model serves Q8_0 and IQ2_XXS, not ggml type " + std::to_string(ggml_type));
+  i8math::visit_i8_format(ggml_type, [&](auto fmt) {
+    using Fmt = decltype(fmt);
+    if (d.row_bytes % 4 != 0) {
+      result = arg_error("the integer path needs rows of a multiple of 4 bytes, got " + std::to_string(d.row_bytes));
+    } else {
+      if (bf16) i8model::qmatmul<Fmt>(wp, d.N, d.K, d.row_bytes, static_cast<const bf16_t*>(xp), d.T, yp);
+      else i8model::qmatmul<Fmt>(wp, d.N, d.K, d.row_bytes, static_cast<const float*>(xp), d.T, yp);
+      result = ffi::Error::Success();
+    }
+    return true;
+  });
+  return result;
 }
 
 // MoE: y[t, j, :] = W[ids[t, j]] · x[t]. Each distinct expert is decoded once per chunk of kCols (t, j) pairs;
