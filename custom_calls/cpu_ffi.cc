@@ -78,7 +78,7 @@ ffi::Error QMatmulI8ModelCpu(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi
   const void* xp = x.untyped_data();
   const bool bf16 = x.element_type() == ffi::DataType::BF16;
   ffi::Error result =
-      arg_error("the integer-path model serves Q8_0 and IQ2_XXS, not ggml type " + std::to_string(ggml_type));
+      arg_error("the integer-path model serves Q8_0, Q2_K and IQ2_XXS, not ggml type " + std::to_string(ggml_type));
   i8math::visit_i8_format(ggml_type, [&](auto fmt) {
     using Fmt = decltype(fmt);
     if (d.row_bytes % 4 != 0) {

@@ -1,4 +1,4 @@
-// GPU packed matvec for Q8_0 and IQ2_XXS on integer dot products (included by gpu_ffi.cu; the arithmetic per
+// GPU packed matvec for Q8_0, Q2_K and IQ2_XXS on integer dot products (included by gpu_ffi.cu; the arithmetic per
 // lane is i8_math.h's, which the CPU plugin's model of this path shares).
 //
 // Why: at decode widths the matvec must stream weights at memory speed, and an fp32 multiply-add per
@@ -12,6 +12,9 @@
 //     limbs of the tokens it serves straight into shared memory (`stage_x`), so a call is one launch;
 //   * per sub-block, row and token: I_l = Σ_j w_j·L_lj exactly in int32 (dp4a), then in fp32
 //     v = fma(I0, 65536, I1·256 + I2) and acc = fma(d_w · 2^(e_b-22), v, acc) over the sub-blocks in order.
+//     Q2_K's weights are q·sc (its 16-weight scale folded into the int8 weight, at most 3·15) with d_w = d,
+//     and its mins add fma(-dmin · 2^(e_b-22), m_0·ΣX_0 + m_1·ΣX_1, acc), ΣX_h the exact sum of the
+//     sub-block's half h (16 elements, staged with the limbs), so its 2.6-bit experts skip the float path.
 //
 // Every output's operation sequence depends only on its own row and token: batch invariant in T, in the
 // tokens sharing a CTA and in the rows sharing a warp.
@@ -40,12 +43,14 @@ constexpr int kWarps = 8, kWideWarps = 16;
 // ---- activations in shared memory ----
 // Token slot i of a CTA: its limbs at i·3K bytes, as 6 arrays of K/32 16-byte words: array 2l+h holds half h
 // (bytes 16h..16h+15) of the limb-l words of every sub-block, so the 32 lanes of a warp, reading consecutive
-// sub-blocks, load consecutive 16-byte words. The scales (float [slots][K/32]) follow all slots' limbs.
-DSPARK_HD int64_t x_token_bytes(int64_t K) { return K * 3 + (K / 32) * 4; }
+// sub-blocks, load consecutive 16-byte words. The scales (float [slots][K/32]) follow all slots' limbs, and
+// for formats with mins (`sums`) the exact sums of each sub-block's two halves of X (int2 [slots][K/32]).
+DSPARK_HD int64_t x_token_bytes(int64_t K, bool sums) { return K * 3 + (K / 32) * (sums ? 12 : 4); }
 
 struct XView {
   const uint4* limbs;   // slot i, limb array a: limbs + i * 6 * nsub + a * nsub (16-byte words)
   const float* scales;  // slot i: scales + i * nsub
+  const int2* sums;     // slot i: sums + i * nsub (formats with mins only)
   int nsub;
 };
 
@@ -69,9 +74,10 @@ constexpr int kStageBatch = 2;
 // magnitude is an integer max over the 4 lanes (on |bits|, so a NaN or inf anywhere wins and gives a NaN
 // scale). Offsets in shared memory are 32-bit (it is at most 228 KB). Every step of the loop runs in every
 // lane, past the last sub-block too (its loads skipped): an early exit from a batch raised the MoE kernel's
-// registers by up to 45 (kernel run 12).
-template <class XT, int W>
-__device__ __forceinline__ void stage_tokens(const XSource& src, float* scales) {
+// registers by up to 45 (kernel run 12). With kSums, lanes q = 0 and 2 also store the sum of X over their
+// half of the sub-block (their 8 elements and lane q + 1's).
+template <class XT, int W, bool kSums>
+__device__ __forceinline__ void stage_tokens(const XSource& src, float* scales, int* sums) {
   const uint32_t nsub = (uint32_t)(src.K / 32), total = (uint32_t)src.ntok * nsub, K = (uint32_t)src.K;
   const uint32_t warp = threadIdx.x / kLanes, lane = threadIdx.x % kLanes, q = lane % 4;
   const XT* x = static_cast<const XT*>(src.x);
@@ -95,15 +101,21 @@ __device__ __forceinline__ void stage_tokens(const XSource& src, float* scales) 
 #pragma unroll
       for (int k = 0; k < 8; ++k) m = max(m, __float_as_uint(v[u][k]) & 0x7FFFFFFFu);
       for (int s = 1; s < 4; s <<= 1) m = max(m, __float_as_uint(gpu_shfl_xor(__uint_as_float(m), s)));
-      if (i >= total) continue;
+      if (!kSums && i >= total) continue;
       float sc = 0.0f;
       uint32_t limbs[3][2] = {{0, 0}, {0, 0}, {0, 0}};
+      int xsum = 0;
       if (m >= 0x7F800000u) {
         sc = __int_as_float(0x7fc00000);
       } else if (m > 0) {
         const int e = block_exponent(m);
         sc = exp2_int(e - 22);
-        limbs8(v[u], e, limbs);
+        limbs8(v[u], e, limbs, xsum);
+      }
+      if constexpr (kSums) {  // every lane gets here (past the last sub-block its v are 0): the shuffle is whole
+        xsum += __float_as_int(gpu_shfl_xor(__int_as_float(xsum), 1));
+        if (i >= total) continue;
+        if (q % 2 == 0) sums[2 * i + q / 2] = xsum;
       }
       // limb l, half q / 2, bytes 8·(q % 2)..: array 2l + q/2 of the slot, words 2·(q % 2).. of sub-block sb
       uint2* out = reinterpret_cast<uint2*>(src.dst + slot[u] * 3 * K + (q / 2) * (K / 2) + sb[u] * 16) + q % 2;
@@ -114,15 +126,17 @@ __device__ __forceinline__ void stage_tokens(const XSource& src, float* scales) 
   }
 }
 
-// Quantises the activations of `src` into shared memory, then a CTA barrier (every thread of the W warps
-// must call it).
-template <int W>
+// Quantises the activations of `src` into shared memory (with the half sums where kSums), then a CTA barrier
+// (every thread of the W warps must call it).
+template <int W, bool kSums>
 __device__ __forceinline__ XView stage_x(const XSource& src) {
+  const int nsub = (int)(src.K / 32);
   float* scales = reinterpret_cast<float*>(src.dst + (int64_t)src.slots * 3 * src.K);
-  if (src.bf16) stage_tokens<bf16_t, W>(src, scales);
-  else stage_tokens<float, W>(src, scales);
+  int* sums = reinterpret_cast<int*>(scales + src.slots * nsub);
+  if (src.bf16) stage_tokens<bf16_t, W, kSums>(src, scales, sums);
+  else stage_tokens<float, W, kSums>(src, scales, sums);
   __syncthreads();
-  return XView{reinterpret_cast<const uint4*>(src.dst), scales, (int)(src.K / 32)};
+  return XView{reinterpret_cast<const uint4*>(src.dst), scales, reinterpret_cast<const int2*>(sums), nsub};
 }
 
 // ---- sub-block decoders (i8_math.h) and the IQ2_XXS tables in shared memory ----
@@ -208,10 +222,11 @@ constexpr int kStages = std::min(8, std::max(2, 1 + (4096 + R * Chunk<Fmt, S>::k
 template <class Fmt, int NC, int R, int S>
 __device__ __forceinline__ void sub_block(const XView& xv, int ncols, const uint8_t* st, int sub, int sb,
                                           const Tables& tab, float (&acc)[R][NC]) {
+  using D = Sub<Fmt>;
   uint32_t q[R][8];
-  float dw[R];
+  typename D::Scale dw[R];
 #pragma unroll
-  for (int r = 0; r < R; ++r) dw[r] = Sub<Fmt>::decode(st + r * Chunk<Fmt, S>::kRowStride, sub, q[r], tab);
+  for (int r = 0; r < R; ++r) dw[r] = D::decode(st + r * Chunk<Fmt, S>::kRowStride, sub, q[r], tab);
 #pragma unroll
   for (int t = 0; t < NC; ++t) {
     if (t < ncols) {
@@ -224,11 +239,9 @@ __device__ __forceinline__ void sub_block(const XView& xv, int ncols, const uint
         xw[l][4] = (int)v.x; xw[l][5] = (int)v.y; xw[l][6] = (int)v.z; xw[l][7] = (int)v.w;
       }
       const float xs = xv.scales[t * xv.nsub + sb];
+      const int2 sums = D::kSums ? xv.sums[t * xv.nsub + sb] : int2{0, 0};
 #pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const float v = sub_block_value(q[r], xw);
-        acc[r][t] = f32_fma(f32_mul(dw[r], xs), v, acc[r][t]);
-      }
+      for (int r = 0; r < R; ++r) acc[r][t] = D::add(dw[r], xs, sub_block_value(q[r], xw), sums.x, sums.y, acc[r][t]);
     }
   }
 }
@@ -310,7 +323,7 @@ struct RowStream {
 };
 
 // Shared memory of one CTA of W warps: the tables, per warp kStages stages of R staged row chunks, then the
-// activations of up to `slots` tokens (slots * x_token_bytes(K)).
+// activations of up to `slots` tokens (slots * x_token_bytes(K, Sub<Fmt>::kSums)).
 template <class Fmt, int R, int S>
 constexpr int kWarpStageBytes = kStages<Fmt, R, S> * R * Chunk<Fmt, S>::kRowStride;
 template <class Fmt, int R, int W, int S>
@@ -338,7 +351,7 @@ __device__ void warp_rows(RowStream<Fmt, R, S>& rows, const XSource& xs, const i
   const int nsub = (int)(a.K / 32), nchunks = rows.nchunks;
   Cursor at{rows.group0, 0};  // item to compute
   int slot_at = 0;
-  const XView xv = stage_x<W>(xs);
+  const XView xv = stage_x<W, Sub<Fmt>::kSums>(xs);
   float acc[R][NC];
   for (; at.group < rows.group_end; at.next(rows.stride, nchunks), slot_at = slot_at + 1 == D ? 0 : slot_at + 1) {
     gpu_copy_wait<D - 2>();
@@ -577,10 +590,11 @@ inline int copy_width(const uint8_t* w, int64_t row_bytes, int chunk_bytes) {
 // tokens ran up to 1.5x slower with more slots per CTA than with more CTAs per SM each serving fewer tokens
 // (run 6: Q8_0 8192 -> 4096 at T = 8, 83.0 us with 6 slots, 55.4 us with 2; the tiles read the same rows at
 // about the same time, so the weights still come from DRAM about once).
-template <int W>
+template <class Fmt, int W>
 int token_slots(int64_t K, int64_t wanted, int fixed_smem) {
+  const int64_t per_token = x_token_bytes(K, Sub<Fmt>::kSums);
   const auto fit = [&](int64_t room) {
-    return std::max<int64_t>(0, std::min<int64_t>({kMaxCols, wanted, (room - fixed_smem) / x_token_bytes(K)}));
+    return std::max<int64_t>(0, std::min<int64_t>({kMaxCols, wanted, (room - fixed_smem) / per_token}));
   };
   const int64_t shared = fit(smem_per_sm() / (kWarpsPerSm / W) - 2 * 1024);
   return (int)(shared > 0 ? shared : fit(smem_optin() - 1024));
@@ -610,7 +624,7 @@ constexpr int kMaxRows = 4 * Chunk<Fmt, S>::kBytes <= 4608 ? 4 : 2;
 // Dynamic shared memory of a launch of CTAs of W warps, R rows per group, with `slots` token slots of K.
 template <class Fmt, int R, int W, int S>
 int launch_smem_bytes(int slots, int64_t K) {
-  return kFixedSmemBytes<Fmt, R, W, S> + (int)(slots * x_token_bytes(K));
+  return kFixedSmemBytes<Fmt, R, W, S> + (int)(slots * x_token_bytes(K, Sub<Fmt>::kSums));
 }
 
 // kFixedSmemBytes for a run-time R in {1, 2, 4}.
@@ -661,7 +675,7 @@ bool launch_qmatmul(gpuStream_t stream, const QDims& d, const uint8_t* w, const 
     constexpr int S = kSubPerLaneMany<Fmt>;
     const Args a = args_for<Fmt, S>(d, w, y);
     const auto slots_of = [&](int R) {
-      return token_slots<kWideWarps>(d.K, tile_tokens<kWideWarps>(d.T, d.N, R), fixed_smem_bytes<Fmt, kWideWarps, S>(R));
+      return token_slots<Fmt, kWideWarps>(d.K, tile_tokens<kWideWarps>(d.T, d.N, R), fixed_smem_bytes<Fmt, kWideWarps, S>(R));
     };
     const int rows =
         rows_with_room(balanced_rows(d.N, (int64_t)kWarpsPerSm * sm_count(), kMaxRows<Fmt, S>), d.T, slots_of);
@@ -684,7 +698,7 @@ bool launch_qmatmul(gpuStream_t stream, const QDims& d, const uint8_t* w, const 
     constexpr int kR = decltype(rc)::value;
     const auto one_token_tiles = [&](auto wc) {
       constexpr int W = decltype(wc)::value;
-      launched = token_slots<W>(d.K, 1, kFixedSmemBytes<Fmt, kR, W, S>) == 1;
+      launched = token_slots<Fmt, W>(d.K, 1, kFixedSmemBytes<Fmt, kR, W, S>) == 1;
       if (launched) launch_tiles<Fmt, 1, kR, W, S>(stream, d, a, 1, x, bf16);
     };
     if (d.T == 1 && ctas_for_rows<kWideWarps>(d.N, kR) < sm_count()) one_token_tiles(std::integral_constant<int, kWarps>{});
@@ -716,9 +730,9 @@ bool launch_qmatmul_id(gpuStream_t stream, const QDims& d, const uint8_t* w, con
     bool launched = false;
     if (a.copy_bytes == 0) return launched;
     const int64_t warps = std::max<int64_t>(1, (int64_t)kWarpsPerSm * sm_count() / busy);  // per busy expert
-    const auto slots_of = [&](int R) { return token_slots<W>(d.K, wanted, fixed_smem_bytes<Fmt, W, S>(R)); };
+    const auto slots_of = [&](int R) { return token_slots<Fmt, W>(d.K, wanted, fixed_smem_bytes<Fmt, W, S>(R)); };
     visit_rows<kMaxRows<Fmt, S>>(rows_with_room(balanced_rows(d.N, warps, kMaxRows<Fmt, S>), wanted, slots_of), [&](auto rc) {
-      const int room = token_slots<W>(d.K, d.T, kFixedSmemBytes<Fmt, decltype(rc)::value, W, S>);
+      const int room = token_slots<Fmt, W>(d.K, d.T, kFixedSmemBytes<Fmt, decltype(rc)::value, W, S>);
       const int slots = wanted > 1 ? even_slots(wanted, room) : room;
       if (slots < min_slots) return;
       visit_cols(slots, [&](auto nc) {

@@ -1,5 +1,5 @@
 // The arithmetic of the GPU integer matvec (gpu_i8_matvec.cuh), compiled for the device and for the host:
-// the int8-limb form of the activations, the sub-block decoders of Q8_0 and IQ2_XXS to int8 words, the
+// the int8-limb form of the activations, the sub-block decoders of Q8_0, Q2_K and IQ2_XXS to int8 words, the
 // exact int32 dot products and the fp32 steps that follow them. The GPU kernels call it per lane; the CPU
 // plugin's model of that path (cpu_i8_model.h) calls the same functions in the kernels' order, so the CPU
 // tests check the GPU path's numerics and the GPU tests compare its outputs bit for bit.
@@ -118,14 +118,18 @@ DSPARK_HD float exp2_int(int n) {
 // scale-up, folded into an fma onto 1.5·2^23: with |X| <= 2^22 the sum lies in [2^23, 2^24], where the float's
 // bits minus those of 1.5·2^23 are X, rounded to nearest even as __float2int_rn would (one integer subtraction
 // instead of a conversion). Y = X + 0x808080 lies in [0, 2^24) and its bytes are the balanced base-256 digits
-// of X plus 128 (the digits are unique), so limb l is byte 2 - l of Y with its top bit flipped.
-DSPARK_HD void limbs8(const float v[8], int e, uint32_t limbs[3][2]) {
+// of X plus 128 (the digits are unique), so limb l is byte 2 - l of Y with its top bit flipped. `xsum` gets
+// Σ X (|Σ X| <= 2^25), which only formats with mins use (unused, it costs nothing).
+DSPARK_HD void limbs8(const float v[8], int e, uint32_t limbs[3][2], int& xsum) {
   const int n = 22 - e, n1 = n < 127 ? n : 127;
   const float f1 = pow2_normal(n1), f2 = pow2_normal(n - n1);
   uint32_t y[8];
 #pragma unroll
   for (int k = 0; k < 8; ++k)
     y[k] = float_bits(f32_fma(f32_mul(v[k], f1), f2, 12582912.0f)) - (0x4B400000u - 0x808080u);
+  xsum = 0;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) xsum += (int)(y[k] - 0x808080u);
 #pragma unroll
   for (int l = 0; l < 3; ++l) {
     const uint32_t pick = (uint32_t)(2 - l) | (uint32_t)(6 - l) << 4;  // byte 2 - l of the first and second word
@@ -155,11 +159,20 @@ struct Tables {
   const uint8_t* base;  // the tables, plus this lane's copy offset (lane % 16) * 4
 };
 
+// A decoder gives a sub-block's weights and its Scale; `add` puts the sub-block's product into acc: v is
+// sub_block_value, xs the activation scale 2^(e_b-22), sum0 and sum1 the half sums of X (kSums formats only).
+// Formats without mins scale by one float.
+struct ScaleOnly {
+  using Scale = float;
+  static constexpr bool kSums = false;
+  DSPARK_HD static float add(float d, float xs, float v, int, int, float acc) { return f32_fma(f32_mul(d, xs), v, acc); }
+};
+
 template <class Fmt>
 struct Sub;
 
 template <>
-struct Sub<FmtQ8_0> {  // half d @0; int8 qs[32] @2: one block per sub-block
+struct Sub<FmtQ8_0> : ScaleOnly {  // half d @0; int8 qs[32] @2: one block per sub-block
   static constexpr int bytes_of(int subs) { return subs * 34; }
   static constexpr int kTableBytes = 0;
   DSPARK_HD static float decode(const uint8_t* chunk, int sub, uint32_t q[8], const Tables&) {
@@ -177,7 +190,7 @@ struct Sub<FmtQ8_0> {  // half d @0; int8 qs[32] @2: one block per sub-block
 };
 
 template <>
-struct Sub<FmtIQ2_XXS> {  // half d @0; 8 x (u8 grid index[4], u32 signs|scale) @2: 8 sub-blocks per block
+struct Sub<FmtIQ2_XXS> : ScaleOnly {  // half d @0; 8 x (u8 grid index[4], u32 signs|scale) @2: 8 sub-blocks per block
   static constexpr int bytes_of(int subs) { return subs / 8 * 66; }
   static constexpr int kTableBytes = kGridBytes + kSignBytes;
   DSPARK_HD static float decode(const uint8_t* chunk, int sub, uint32_t q[8], const Tables& tab) {
@@ -203,6 +216,36 @@ struct Sub<FmtIQ2_XXS> {  // half d @0; 8 x (u8 grid index[4], u32 signs|scale) 
   }
 };
 
+// Q2_K's sub-block s of a block holds weights 32s..32s+31: 2-bit codes at bits 2·(s % 4) of qs[32·(s / 4) + l],
+// the two 16-weight halves scaled by the nibbles sc (low) and m (high) of scales[2s] and scales[2s + 1]:
+// w = d·sc·q - dmin·m. Decoded as q·sc per byte (at most 45: one 32-bit multiply of the masked codes, no byte
+// carries into the next), with d, dmin and the two mins for `add`.
+template <>
+struct Sub<FmtQ2_K> {  // scales[16] @0, qs[64] @16, half d @80, half dmin @82: 8 sub-blocks per block
+  static constexpr int bytes_of(int subs) { return subs / 8 * 84; }
+  static constexpr int kTableBytes = 0;
+  static constexpr bool kSums = true;
+  struct Scale {
+    float d, dmin;
+    int m0, m1;
+  };
+  DSPARK_HD static Scale decode(const uint8_t* chunk, int sub, uint32_t q[8], const Tables&) {
+    const uint32_t blk = 84u * (uint32_t)(sub >> 3), s = (uint32_t)sub & 7u;  // blocks are 4-byte aligned
+    const uint32_t* qs = reinterpret_cast<const uint32_t*>(chunk + blk + 16u + 32u * (s >> 2));
+    const uint32_t sm = *reinterpret_cast<const uint16_t*>(chunk + blk + 2u * s), shift = 2u * (s & 3u);
+    const uint32_t sc0 = sm & 15u, sc1 = (sm >> 8) & 15u;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) q[i] = ((qs[i] >> shift) & 0x03030303u) * (i < 4 ? sc0 : sc1);
+    const uint32_t dd = *reinterpret_cast<const uint32_t*>(chunk + blk + 80u);
+    return {half_to_float((uint16_t)dd), half_to_float((uint16_t)(dd >> 16)), (int)((sm >> 4) & 15u), (int)(sm >> 12)};
+  }
+  // |m0·ΣX_0 + m1·ΣX_1| <= 2 · 15 · 16 · 2^22 < 2^31: exact in int32, rounded once to fp32.
+  DSPARK_HD static float add(const Scale& s, float xs, float v, int sum0, int sum1, float acc) {
+    const float mins = i2f_rn(s.m0 * sum0 + s.m1 * sum1);
+    return f32_fma(-f32_mul(s.dmin, xs), mins, f32_fma(f32_mul(s.d, xs), v, acc));
+  }
+};
+
 // Selector words of the IQ2_XXS tables: nibble k of grid word i is the code of byte k of grid entry i (its
 // magnitude 8, 25 or 43 as 0, 1, 2); nibble k of sign word i is 3 where bit k of iq2_sign_byte(i) is set.
 struct Iq2Selectors {
@@ -225,6 +268,7 @@ constexpr Iq2Selectors make_iq2_selectors() {
 template <class F>
 bool visit_i8_format(int32_t type, F&& f) {
   if (type == kQ8_0) return f(FmtQ8_0{});
+  if (type == kQ2_K) return f(FmtQ2_K{});
   if (type == kIQ2_XXS) return f(FmtIQ2_XXS{});
   return false;
 }

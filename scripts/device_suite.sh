@@ -45,10 +45,10 @@ XLA_FLAGS= python3 scripts/bench_generate.py --config wide --dtype bfloat16 --pr
   --q 4 --acceptance 0.7 --output "$OUT/generate_bf16.json" > "$OUT/generate_bf16.log" 2>&1
 grep -v '^ ' "$OUT/generate_bf16.log" | tail -8
 fi
-if want durations; then  # about two minutes: each call's kernel alone, caches flushed (no overlap, no launch gap)
+if want durations; then  # about three minutes: each call's kernel alone, caches flushed (no overlap, no launch gap)
 echo "== kernel durations (ncu, every shape, T = 1 and 4, against a 1 GiB copy kernel timed the same way)"
 ncu --clock-control none -k regex:'qmatmul|loop_add_fusion' --metrics gpu__time_duration.sum --csv \
-  --log-file "$OUT/durations.csv" python3 scripts/profile_kernel.py --formats=Q8_0,IQ2_XXS --t_rows=1,4 \
+  --log-file "$OUT/durations.csv" python3 scripts/profile_kernel.py --formats=Q8_0,Q2_K,IQ2_XXS --t_rows=1,4 \
   --copy_mib=1024 --copy_sizes_mb=1.1,4.4,13.4,35.6 --configs_out="$OUT/configs.json" > "$OUT/durations.log" 2>&1
 python3 scripts/profile_kernel.py --table_from="$OUT/durations.csv" --configs_in="$OUT/configs.json" \
   | tee "$OUT/durations.txt"

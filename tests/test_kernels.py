@@ -25,7 +25,7 @@ from dsparkjax.kernels import synthetic
 from dsparkjax.model import hc as hc_ref
 
 TYPES = sorted(kernels.KERNEL_TYPES)
-INT_PATH_TYPES = [GGMLType.Q8_0, GGMLType.IQ2_XXS]  # the formats of the GPU integer path
+INT_PATH_TYPES = [GGMLType.Q8_0, GGMLType.Q2_K, GGMLType.IQ2_XXS]  # the formats of the GPU integer path
 
 
 def _gpu_device() -> jax.Device | None:
@@ -104,7 +104,7 @@ def _qmatmul_id(x, w, ids, ggml_type, backend):
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     n=st.sampled_from([1, 3, 7, 16]),
-    nblocks=st.sampled_from([1, 3, 4]),  # 4: Q8_0 and IQ2_XXS rows 4-byte aligned (the GPU integer path)
+    nblocks=st.sampled_from([1, 3, 4]),  # 4: Q8_0, IQ2_XXS rows 4-byte aligned (GPU integer path; Q2_K's always)
     t_rows=st.integers(1, 8),
     bf16=st.booleans(),
     seed=st.integers(0, 2**31 - 1),
@@ -177,7 +177,7 @@ def test_qmatmul_id_invalid_ids_give_zero_rows(device):
         assert np.all(y[0, 1] == 0) and np.all(y[1, 0] == 0) and np.any(y[0, 0] != 0)
 
 
-@pytest.mark.parametrize("ggml_type", [GGMLType.Q8_0, GGMLType.IQ2_XXS], ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", INT_PATH_TYPES, ids=lambda t: t.name)
 def test_qmatmul_id_without_experts_gives_zero_rows(device, ggml_type):
     """A weight of zero experts: every id is out of range, so every row is zero (not an error, not a crash)."""
     rng = np.random.default_rng(2)
@@ -244,7 +244,7 @@ def test_qmatmul_grouped_equals_one_call_per_group(device, ggml_type):
             assert_matches_dense(got[:, j], x[:, j], dense[j])
 
 
-@pytest.mark.parametrize("ggml_type", [GGMLType.Q8_0, GGMLType.IQ2_XXS], ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", INT_PATH_TYPES, ids=lambda t: t.name)
 def test_qmatmul_grouped_ds4_output_shape(device, ggml_type):
     """DS4's grouped output projection (8 groups of 4096 -> 1024) at T = 4: on GPU every group serves all four
     tokens in one pass on 16-warp CTAs (one-token calls take 8-warp CTAs and two sub-blocks per lane); each
@@ -263,7 +263,7 @@ def test_qmatmul_grouped_ds4_output_shape(device, ggml_type):
         np.testing.assert_array_equal(np.asarray(grouped(jax.device_put(x[t : t + 1], device), wd)), full[t : t + 1])
 
 
-@pytest.mark.parametrize("ggml_type", [GGMLType.Q8_0, GGMLType.IQ2_XXS], ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", INT_PATH_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("bad", [np.nan, np.inf], ids=["nan", "inf"])
 def test_qmatmul_non_finite_activation(device, ggml_type, bad):
     """A NaN or inf activation makes its token's outputs non-finite (never a silent finite value) and leaves
@@ -280,7 +280,7 @@ def test_qmatmul_non_finite_activation(device, ggml_type, bad):
     np.testing.assert_array_equal(got[1], clean[1])
 
 
-@pytest.mark.parametrize("ggml_type", [GGMLType.Q8_0, GGMLType.IQ2_XXS], ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", INT_PATH_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize(
     "n, k", [(32771, 1024), (2048, 8192), (4096, 8192)], ids=["many_rows", "wide_tokens", "ds4_dense"]
 )
@@ -304,7 +304,7 @@ def test_qmatmul_launch_geometries(device, ggml_type, n, k):
         np.testing.assert_array_equal(got, full[:t_rows])
 
 
-@pytest.mark.parametrize("ggml_type", [GGMLType.Q8_0, GGMLType.IQ2_XXS], ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", INT_PATH_TYPES, ids=lambda t: t.name)
 def test_qmatmul_id_shared_experts(device, ggml_type):
     """MoE with enough rows per expert that the GPU spreads each expert over several CTAs and groups rows per
     warp (1059 rows: a partial last group), the experts chosen by 5, 3, 1 and 3 of the 12 slots: every token
@@ -323,7 +323,7 @@ def test_qmatmul_id_shared_experts(device, ggml_type):
         np.testing.assert_array_equal(np.asarray(_qmatmul_id(xi, wd, ii, ggml_type, "ffi"))[0], got[i])
 
 
-@pytest.mark.parametrize("ggml_type", [GGMLType.Q8_0, GGMLType.IQ2_XXS], ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", INT_PATH_TYPES, ids=lambda t: t.name)
 def test_qmatmul_long_rows(device, ggml_type):
     """K = 65536: on GPU one token's activations no longer fit next to the integer path's buffers, so the call
     takes the float path; results stay right and batch invariant."""
@@ -377,11 +377,13 @@ def test_i8_model_matches_dense(cpu_device, ggml_type, n, nblocks, t_rows, bf16,
     assert_matches_dense(got, x, formats.dequantize(w, ggml_type, (n, k)))
 
 
+@pytest.mark.parametrize("t", INT_PATH_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("bad", [np.nan, np.inf], ids=["nan", "inf"])
-def test_i8_model_non_finite_activation(cpu_device, bad):
-    """A NaN or inf makes its token's outputs NaN and leaves the other token's exactly as without it."""
+def test_i8_model_non_finite_activation(cpu_device, t, bad):
+    """A NaN or inf makes its token's outputs NaN (Q2_K's mins included) and leaves the other token's exactly
+    as without it."""
     rng = np.random.default_rng(9)
-    t, k = GGMLType.IQ2_XXS, 512
+    k = 512
     w = random_packed(rng, t, (4,), k)
     x = rng.standard_normal((2, k)).astype(np.float32)
     clean = np.asarray(_i8_model(*_put(cpu_device, x, w), int(t)))
@@ -395,7 +397,7 @@ def test_i8_model_rejects_what_the_integer_path_does_not_serve(cpu_device):
     x = np.ones((1, 64), np.float32)
     for k in (64, 32):  # 20- and 10-byte rows: the format is the reason, whatever the row length
         q2 = random_packed(np.random.default_rng(0), GGMLType.Q2_0_ROCMFP2, (2,), k)
-        with pytest.raises(jax.errors.JaxRuntimeError, match="serves Q8_0 and IQ2_XXS"):
+        with pytest.raises(jax.errors.JaxRuntimeError, match="serves Q8_0, Q2_K and IQ2_XXS"):
             _i8_model(*_put(cpu_device, x[:, :k], q2), int(GGMLType.Q2_0_ROCMFP2)).block_until_ready()
     q8 = random_packed(np.random.default_rng(0), GGMLType.Q8_0, (2,), 32)  # 34-byte rows
     with pytest.raises(jax.errors.JaxRuntimeError, match="multiple of 4 bytes"):

@@ -4,8 +4,8 @@ Every op has two backends with one signature:
   * "ffi": the compiled XLA FFI plugin (`custom_calls/`, CPU and CUDA). Weights stay packed exactly as stored
     in the GGUF, accumulation is fp32, and each output row is computed with an order that does not depend
     on T or on the other rows of the call, so row i of a T-row call is bit-identical to a 1-row call.
-    On the GPU, Q8_0 and IQ2_XXS multiply int8 weights with an int8-limb form of the activations (each kept
-    to 2^-23 of its 32-block's largest magnitude), exactly in int32 per 32-block, then in fp32.
+    On the GPU, Q8_0, Q2_K and IQ2_XXS multiply int8 weights with an int8-limb form of the activations (each
+    kept to 2^-23 of its 32-block's largest magnitude), exactly in int32 per 32-block, then in fp32.
   * "reference": pure jnp (`dsparkjax.kernels.reference`), always available; equal to the FFI result up to
     fp32 summation order, but XLA's own reductions are not batch-invariant (exactness.md §1).
 `backend=None` picks "ffi" when the plugin for the default JAX platform is loaded, else "reference".

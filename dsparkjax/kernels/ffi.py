@@ -154,7 +154,7 @@ def qmatmul_id(x: jax.Array, w_packed: jax.Array, ids: jax.Array, ggml_type: int
 
 def qmatmul_i8_model(x: jax.Array, w_packed: jax.Array, ggml_type: int) -> jax.Array:
     """The GPU integer path's result computed on the CPU, bit for bit (custom_calls/cpu_i8_model.h): x `[T, K]`
-    (f32|bf16) and w_packed uint8 `[N, row_bytes]` (Q8_0 or IQ2_XXS, rows a multiple of 4 bytes) on the
+    (f32|bf16) and w_packed uint8 `[N, row_bytes]` (Q8_0, Q2_K or IQ2_XXS, rows a multiple of 4 bytes) on the
     CPU -> float32 `[T, N]`. What the GPU's `qmatmul` (dense, MoE and grouped alike) returns for each row and
     token; the CPU tests check it against numpy and the GPU tests check the device against it."""
     out = jax.ShapeDtypeStruct((x.shape[0], w_packed.shape[0]), jnp.float32)
