@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +42,8 @@ flags.DEFINE_list(
     "Q8_0,Q2_K,IQ2_XXS,Q4_0_ROCMFP4_FAST,Q4_0_ROCMFP4,Q2_0_ROCMFP2,Q3_0_ROCMFPX,Q6_0_ROCMFPX,Q8_0_ROCMFPX",
     "GGMLType names to benchmark",
 )
-flags.DEFINE_list("shapes", "attn_a,wide_b,grouped_o,dense_8k,exp_up6,exp_up24,exp_down6,exp_down24", "shape names")
+flags.DEFINE_list("shapes", "attn_a,wide_b,grouped_o,dense_8k,exp_up6,exp_up24,exp_down6,exp_down24",
+                  "shape names (SHAPES; also bench_up4, bench_down4: the generation benchmark model's experts)")
 flags.DEFINE_integer("t_max", 5, "largest T (rows per call): T = 1..t_max")
 flags.DEFINE_list("t_rows", [], "the T values instead of 1..t_max")
 flags.DEFINE_bool("dense_copy", False, "dense and grouped shapes: dense copy + XLA GEMM instead of the kernel")
@@ -52,44 +54,60 @@ flags.DEFINE_integer("copy_mib", 1024, "buffer size of the copy-bandwidth probe"
 flags.DEFINE_enum("backend", "ffi", ["ffi", "reference"], "kernel backend")
 flags.DEFINE_string("json_out", None, "write the result rows to this JSON file")
 
-N_EXPERTS = 256
-# name -> (K, N, groups, selected experts per token or 0 for dense)
+class Shape(NamedTuple):
+    """One benchmarked call: K -> N in `groups` groups; for MoE shapes `topk` of `experts` selected per token."""
+
+    k: int
+    n: int
+    groups: int = 1
+    topk: int = 0  # 0: dense (or grouped)
+    experts: int = 256
+
+
 SHAPES = {
-    "attn_a": (4096, 1024, 1, 0),  # 4096 -> 1024
-    "wide_b": (1024, 32768, 1, 0),  # 1024 -> 32768
-    "grouped_o": (4096, 1024, 8, 0),  # 32768 in 8 groups of 4096 -> 1024 each, one qmatmul_grouped call
-    "dense_8k": (8192, 4096, 1, 0),  # 8192 -> 4096
-    "exp_up6": (4096, 2048, 1, 6),  # routed expert gate/up, 6 of 256 per token
-    "exp_up24": (4096, 2048, 1, 24),
-    "exp_down6": (2048, 4096, 1, 6),  # routed expert down
-    "exp_down24": (2048, 4096, 1, 24),
+    "attn_a": Shape(4096, 1024),  # 4096 -> 1024
+    "wide_b": Shape(1024, 32768),  # 1024 -> 32768
+    "grouped_o": Shape(4096, 1024, groups=8),  # 32768 in 8 groups of 4096 -> 1024 each, one qmatmul_grouped call
+    "dense_8k": Shape(8192, 4096),  # 8192 -> 4096
+    "exp_up6": Shape(4096, 2048, topk=6),  # routed expert gate/up, 6 of 256 per token
+    "exp_up24": Shape(4096, 2048, topk=24),
+    "exp_down6": Shape(2048, 4096, topk=6),  # routed expert down
+    "exp_down24": Shape(2048, 4096, topk=24),
+    # bench_generate.py's wide model: 4 of 32 experts, hidden 512, expert width 256. At its batch of 64 rows
+    # (or 384 in the width-6 program) each expert serves 8 (48) tokens, over rows of one or two Q2_K blocks.
+    "bench_up4": Shape(512, 256, topk=4, experts=32),
+    "bench_down4": Shape(256, 512, topk=4, experts=32),
 }
 
 
-def distinct_expert_ids(key: jax.Array, t_rows: int, k: int) -> np.ndarray:
-    """ids int32 [t_rows, k]: each token's k experts are distinct (a top-k never repeats an expert)."""
+def distinct_expert_ids(key: jax.Array, t_rows: int, name: str) -> np.ndarray:
+    """ids int32 [t_rows, topk] of MoE shape `name`: each token's experts are distinct (a top-k never repeats
+    an expert)."""
+    shape = SHAPES[name]
     keys = jax.random.split(key, t_rows)
-    return np.stack([np.asarray(jax.random.permutation(kk, N_EXPERTS))[:k] for kk in keys]).astype(np.int32)
+    return np.stack([np.asarray(jax.random.permutation(kk, shape.experts))[:shape.topk]
+                     for kk in keys]).astype(np.int32)
 
 
 def weight_rows(name: str) -> tuple[int, int]:
     """Leading shape of a shape's packed weight: (experts, N) for MoE shapes, (groups, N) otherwise."""
-    _, n, groups, topk = SHAPES[name]
-    return (N_EXPERTS if topk else groups, n)
+    shape = SHAPES[name]
+    return (shape.experts if shape.topk else shape.groups, shape.n)
 
 
 def input_shape(name: str, t_rows: int) -> tuple[int, ...]:
     """Activations of one call: `[T, K]` for MoE shapes, `[T, groups, K]` otherwise."""
-    k_dim, _, groups, topk = SHAPES[name]
-    return (t_rows, k_dim) if topk else (t_rows, groups, k_dim)
+    shape = SHAPES[name]
+    return (t_rows, shape.k) if shape.topk else (t_rows, shape.groups, shape.k)
 
 
 def call_kernel(name: str, t: GGMLType, x: jax.Array, w: jax.Array, ids: jax.Array | None, backend: str) -> jax.Array:
     """One call at shape `name` as the model makes it: MoE by expert id, one grouped call for all groups
     (the grouped output projection), or a dense matmul; with --dense_copy the latter two through the dense
     copy the model multiplies for calls of many rows."""
-    k_dim, _, groups, topk = SHAPES[name]
-    if topk:
+    shape = SHAPES[name]
+    k_dim, groups = shape.k, shape.groups
+    if shape.topk:
         return kernels.qmatmul_id(x, w, ids, t, backend=backend)
     if FLAGS.dense_copy:
         rows = w.reshape(-1, w.shape[-1])  # [groups * N, row_bytes], as the model holds a grouped weight
@@ -108,10 +126,10 @@ def weight_bytes(w: jax.Array, ids: np.ndarray | None) -> int:
 
 def bench_shape(t: GGMLType, name: str, t_values: list[int]) -> list[dict]:
     """Rows of results for one format and shape, one per T."""
-    topk = SHAPES[name][3]
+    topk = SHAPES[name].topk
     key = jax.random.PRNGKey(int(t))
     experts, backend, calls = topk > 0, FLAGS.backend, FLAGS.calls
-    one = synthetic.random_packed(key, t, weight_rows(name), SHAPES[name][0])
+    one = synthetic.random_packed(key, t, weight_rows(name), SHAPES[name].k)
     # Dense and grouped shapes rotate through weights so that L2 holds none between calls; through the dense
     # copy every call needs its own, since XLA dequantizes each distinct weight once per program and merges
     # the GEMMs that share one (kernel run 11: 8 weights shared by 32 calls timed below the bandwidth floor).
@@ -121,7 +139,7 @@ def bench_shape(t: GGMLType, name: str, t_values: list[int]) -> list[dict]:
         copies = 2 * calls
     else:
         copies = max(1, min(2 * calls, math.ceil((FLAGS.rotate_mib << 20) / one.nbytes)))
-    weights = [one] + [synthetic.random_packed(jax.random.fold_in(key, i), t, weight_rows(name), SHAPES[name][0])
+    weights = [one] + [synthetic.random_packed(jax.random.fold_in(key, i), t, weight_rows(name), SHAPES[name].k)
                        for i in range(1, copies)]
 
     def make_program(m: int):
@@ -136,7 +154,7 @@ def bench_shape(t: GGMLType, name: str, t_values: list[int]) -> list[dict]:
         data_key = jax.random.fold_in(key, t_rows)
         xs = [jax.random.normal(jax.random.fold_in(data_key, c), input_shape(name, t_rows), jnp.float32)
               for c in range(2 * calls)]
-        ids = [distinct_expert_ids(jax.random.fold_in(data_key, 10_000 + c), t_rows, topk)
+        ids = [distinct_expert_ids(jax.random.fold_in(data_key, 10_000 + c), t_rows, name)
                for c in range(2 * calls)] if experts else []
         id_arrays = [jnp.asarray(i) for i in ids]
         sec = seconds_per_call(make_program, lambda m: (weights, xs[:m], id_arrays[:m]), calls, FLAGS.reps)

@@ -57,8 +57,8 @@ def run_call(ggml_type: GGMLType, shape: str, t_rows: int) -> int:
     """Runs one call at `shape` twice; returns the weight bytes it reads (each distinct expert once)."""
     key = jax.random.PRNGKey(0)
     x = jax.random.normal(key, input_shape(shape, t_rows), jnp.float32)
-    w = synthetic.random_packed(key, ggml_type, weight_rows(shape), SHAPES[shape][0])
-    ids = distinct_expert_ids(key, t_rows, SHAPES[shape][3]) if SHAPES[shape][3] else None
+    w = synthetic.random_packed(key, ggml_type, weight_rows(shape), SHAPES[shape].k)
+    ids = distinct_expert_ids(key, t_rows, shape) if SHAPES[shape].topk else None
     call = jax.jit(lambda x, w, ids: call_kernel(shape, ggml_type, x, w, ids, "ffi"))
     for _ in range(2):
         jax.block_until_ready(call(x, w, None if ids is None else jnp.asarray(ids)))

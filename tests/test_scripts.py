@@ -48,6 +48,19 @@ def test_bench_kernels_dense_copy_at_given_rows(tmp_path):
         ("grouped_o", 3, True), ("grouped_o", 5, True), ("exp_up6", 3, False), ("exp_up6", 5, False)]
 
 
+def test_bench_kernels_expert_count_per_shape(tmp_path):
+    """The generation benchmark model's expert shapes draw 4 of their 32 experts: at 16 tokens the call reads
+    at most those 32 experts once each (with DS4's 256 it would read about 60)."""
+    out = tmp_path / "bench.json"
+    proc = run_script("bench_kernels.py", "--formats=Q2_K", "--shapes=bench_down4", "--t_rows=1,16", "--calls=2",
+                      "--reps=1", "--copy_mib=8", f"--json_out={out}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    row_bytes = 84  # Q2_K: one 256-weight block per row of K = 256
+    bytes_at = {r["T"]: r["bytes"] for r in json.loads(out.read_text())["rows"]}
+    assert bytes_at[1] == 4 * 512 * row_bytes
+    assert 4 * 512 * row_bytes < bytes_at[16] <= 32 * 512 * row_bytes
+
+
 def test_profile_kernel_records_its_calls_and_copies(tmp_path):
     out = tmp_path / "c.json"
     proc = run_script("profile_kernel.py", "--formats=Q8_0", "--shapes=attn_a", "--t_rows=1,2", "--copy_mib=1",
