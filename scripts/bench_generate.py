@@ -70,7 +70,7 @@ def step_weight_bytes(target: Target) -> int:
     """Weight bytes one plain decode step reads: everything but the unselected routed experts."""
     cfg = target.config
     total = nbytes(target.params)
-    experts = sum(nbytes((b.moe.gate, b.moe.up, b.moe.down)) for b in target.params.blocks)
+    experts = sum(nbytes((b.moe.gate_up, b.moe.down)) for b in target.params.blocks)
     embed = nbytes(target.params.embed)
     return total - embed - experts + experts * cfg.n_active_experts // cfg.n_routed_experts
 

@@ -73,6 +73,15 @@ SHAPES = {
     "exp_up24": Shape(4096, 2048, topk=24),
     "exp_down6": Shape(2048, 4096, topk=6),  # routed expert down
     "exp_down24": Shape(2048, 4096, topk=24),
+    # an expert's gate and up projections in one call (their rows stacked), against two calls of exp_up*
+    "exp_gate_up6": Shape(4096, 4096, topk=6),
+    "exp_gate_up24": Shape(4096, 4096, topk=24),
+    # attention's kv projection (4096 -> 512), and attn_a's wq_a with it in one call
+    "attn_kv": Shape(4096, 512),
+    "attn_a_kv": Shape(4096, 1536),
+    # the shared expert's gate or up (4096 -> 2048), and both in one call
+    "shexp_up": Shape(4096, 2048),
+    "shexp_gate_up": Shape(4096, 4096),
     # bench_generate.py's wide model: 4 of 32 experts, hidden 512, expert width 256. At its batch of 64 rows
     # (or 384 in the width-6 program) each expert serves 8 (48) tokens, over rows of one or two Q2_K blocks.
     "bench_up4": Shape(512, 256, topk=4, experts=32),

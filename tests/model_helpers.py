@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import tempfile
@@ -10,7 +11,7 @@ import chex
 import jax.numpy as jnp
 import numpy as np
 
-from dsparkjax.config import TargetConfig, tiny_target
+from dsparkjax.config import DrafterConfig, TargetConfig, tiny_drafter, tiny_target
 from dsparkjax.ggufio import write_model_gguf
 from dsparkjax.model.state import DecodeState, commit, init_state
 from dsparkjax.target_api import Target, compiled_step, load_target
@@ -138,3 +139,13 @@ def decode_single(target, state, tokens, start, count, width=1):
         logits.append(np.asarray(out[:, 0]))
         state = commit(state, jnp.ones((batch,), jnp.int32))
     return state, (np.stack(logits, axis=1) if logits else np.zeros((batch, 0, target.config.vocab_size), np.float32))
+
+
+def recipe_configs(recipe: str) -> tuple[TargetConfig, DrafterConfig]:
+    """Tiny configs whose quantized rows are whole blocks for `recipe`."""
+    if recipe == "published":  # IQ2_XXS / Q2_K rows are 256 wide; 4 experts and 64 tokens keep it quick
+        target = dataclasses.replace(tiny_target(vocab_size=64, hidden_size=256, moe_intermediate_size=256),
+                                     n_routed_experts=4)
+        return target, dataclasses.replace(tiny_drafter(target), n_routed_experts=4)
+    target = tiny_target()  # rows of 64 and 32: whole Q8_0 and ROCm (32-wide) blocks
+    return target, tiny_drafter(target)

@@ -28,7 +28,6 @@ from dsparkjax.config import (
     drafter_config_from_metadata,
     metadata_items,
     target_config_from_metadata,
-    tiny_drafter,
     tiny_target,
 )
 from dsparkjax.errors import FormatError, GGUFContractError, IncompatibleDrafterError
@@ -48,6 +47,7 @@ from dsparkjax.ggufio import (
 )
 from dsparkjax.ggufio.writer import QUANT_RECIPE_KEY, recipe_type
 from dsparkjax.tiny import tiny_pair
+from model_helpers import recipe_configs
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -80,16 +80,6 @@ def encode_model(cfg: TargetConfig | DrafterConfig, params: dict[str, np.ndarray
     specs = drafter_tensor_specs(cfg) if drafter else target_tensor_specs(cfg)
     return {s.name: encode(s.name, params[s.name], recipe_type(recipe, s, drafter=drafter))
             for s in specs if s.name in params}
-
-
-def recipe_configs(recipe: str) -> tuple[TargetConfig, DrafterConfig]:
-    """Tiny configs whose quantized rows are whole blocks for `recipe`."""
-    if recipe == "published":  # IQ2_XXS / Q2_K rows are 256 wide; 4 experts and 64 tokens keep it quick
-        target = dataclasses.replace(tiny_target(vocab_size=64, hidden_size=256, moe_intermediate_size=256),
-                                     n_routed_experts=4)
-        return target, dataclasses.replace(tiny_drafter(target), n_routed_experts=4)
-    target = tiny_target()  # rows of 64 and 32: whole Q8_0 and ROCm (32-wide) blocks
-    return target, tiny_drafter(target)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from dsparkjax.spec.oracle import oracle_for
 from dsparkjax.spec.proposer import load_drafter
 from dsparkjax.target_api import forward, load_target
 from dsparkjax.tiny import write_tiny_pair
+from model_helpers import recipe_configs
 
 needs_plugin = pytest.mark.skipif(not kernels.ffi.available(), reason="FFI plugin for this platform not built")
 
@@ -41,7 +42,7 @@ def test_packed_weights_match_dequantized(backend):
     target_path, _ = rocmfpx_pair()
     dense = load_target(target_path, kernels="dequantize", simulate_qat=False)
     packed = load_target(target_path, kernels=backend, simulate_qat=False)
-    experts = packed.params.blocks[2].moe.gate
+    experts = packed.params.blocks[2].moe.gate_up.parts[0]
     assert isinstance(experts, PackedWeight) and experts.ggml_type == 107  # ROCmFP2 stays packed
     assert isinstance(packed.params.blocks[0].attn.wq_b, PackedWeight)  # Q8_0 attention too
     tokens = np.random.default_rng(0).integers(0, 512, (2, 24))
@@ -76,7 +77,7 @@ def test_exact_spec_equals_greedy_on_packed_ffi_weights():
     target_path, draft_path = rocmfpx_pair()
     target = load_target(target_path, kernels="ffi")
     drafter = load_drafter(draft_path, target)
-    assert isinstance(drafter.params.stages[0].moe.gate, PackedWeight)
+    assert isinstance(drafter.params.stages[0].moe.gate_up.parts[0], PackedWeight)
     prompts = [list(range(3, 12)), list(range(40, 45)), [7]]
     plain = generate(target, prompts, drafter=drafter, mode="ar", max_new_tokens=12, stop_tokens=())
     oracle = oracle_for(prompts, plain, 512, wrong_rate=0.3, seed=2, capture_layers=drafter.capture_layers)
@@ -114,3 +115,71 @@ def test_many_rows_multiply_a_dense_copy(monkeypatch, groups, rule):
         else:  # the kernel keeps the weights' and activations' float32 values: close, not the GEMM's bits
             assert not np.array_equal(got, want)
             np.testing.assert_allclose(got, want, rtol=0.05, atol=0.02 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("ffi", marks=needs_plugin)])
+@pytest.mark.parametrize("experts", [False, True], ids=["dense", "experts"])
+def test_stacked_rows_give_each_matrix_its_own_call(backend, experts):
+    """A RowBlocks part holding two matrices' rows gives each matrix its own call's values: the FFI kernels'
+    bits (each row's order is its own), the jnp reference's to float32 rounding (XLA's dot may sum the wider
+    product in another order)."""
+    ggml_type, k = int(GGMLType.IQ2_XXS), 512
+    lead = (4,) if experts else ()
+    a, b = (synthetic.random_packed(jax.random.key(s), ggml_type, (*lead, n), k) for s, n in ((1, 24), (2, 40)))
+    own = [PackedWeight(w, ggml_type, k, jnp.dtype(jnp.float32), backend) for w in (a, b)]
+    stacked = weights.RowBlocks((PackedWeight(jnp.concatenate([a, b], axis=-2), ggml_type, k,
+                                              jnp.dtype(jnp.float32), backend),), ((24, 40),))
+    x = jax.random.normal(jax.random.key(3), (5, k), jnp.float32)
+    if experts:
+        ids = jnp.asarray([[0, 3], [1, 1], [2, 0], [3, 2], [0, 1]], jnp.int32)
+        got = weights.expert_linear_rows(x, stacked, ids)
+        want = [weights.expert_linear(x, w, ids) for w in own]
+    else:
+        got, want = weights.linear_rows(x, stacked), [weights.linear(x, w) for w in own]
+        (second,) = weights.linear_rows(x, weights.RowBlocks(tuple(own), ((24,), (40,))), only=(1,))
+        np.testing.assert_array_equal(np.asarray(second), np.asarray(want[1]))  # the other part not multiplied
+    assert [g.shape for g in got] == [w.shape for w in want]
+    for g, w in zip(got, want):
+        if backend == "ffi":
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+        else:
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5 * np.abs(w).max())
+
+
+def test_loader_stacks_matrices_of_one_input_by_format(monkeypatch, tmp_path):
+    """The published recipe's pairs share a format, so each is one weight, but the drafter keeps wq_a and wkv
+    apart (it computes context kv rows alone). A file whose shared expert's up is F16 next to a Q8_0 gate keeps
+    the two apart, and still computes the model the dequantized weights give. (The routed gate and up must
+    share a type: the contract refuses a file where they differ.)"""
+    tcfg, dcfg = recipe_configs("published")
+    target_path, draft_path = write_tiny_pair(str(tmp_path / "published"), recipe="published", tokenizer=None,
+                                              target_cfg=tcfg, drafter_cfg=dcfg)
+    target = load_target(target_path, kernels="reference")
+    drafter = load_drafter(draft_path, target)
+    blk, stage = target.params.blocks[0], drafter.params.stages[0]
+    cfg = target.config
+    assert len(blk.attn.wq_a_kv.parts) == 1 and blk.attn.wq_a_kv.sizes == ((cfg.q_lora_rank, cfg.head_dim),)
+    assert [p.ggml_type for p in blk.moe.gate_up.parts] == [int(GGMLType.IQ2_XXS)]
+    assert blk.moe.gate_up.parts[0].shape == (cfg.n_routed_experts, 2 * cfg.moe_intermediate_size, cfg.hidden_size)
+    assert [p.ggml_type for p in blk.moe.shared_gate_up.parts] == [int(GGMLType.Q8_0)]
+    assert len(stage.attn.wq_a_kv.parts) == 2
+
+    from dsparkjax.ggufio import writer
+
+    published = writer.recipe_type
+
+    def shared_up_in_f16(recipe, spec, *, drafter):
+        return int(GGMLType.F16) if "ffn_up_shexp" in spec.name else published(recipe, spec, drafter=drafter)
+
+    monkeypatch.setattr(writer, "recipe_type", shared_up_in_f16)
+    mixed_path, _ = write_tiny_pair(str(tmp_path / "mixed"), recipe="published", tokenizer=None, target_cfg=tcfg,
+                                    drafter_cfg=dcfg)
+    mixed = load_target(mixed_path, kernels="reference", simulate_qat=False)
+    gate, up = mixed.params.blocks[0].moe.shared_gate_up.parts
+    assert isinstance(gate, PackedWeight) and gate.ggml_type == int(GGMLType.Q8_0) and isinstance(up, jax.Array)
+    dense = load_target(mixed_path, kernels="dequantize", simulate_qat=False)
+    (both,) = dense.params.blocks[0].moe.shared_gate_up.parts
+    assert both.shape == (2 * cfg.moe_intermediate_size, cfg.hidden_size)
+    tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 16))
+    want, got = forward(dense, tokens), forward(mixed, tokens)
+    assert np.abs(got - want).max() / np.abs(want).max() < 1e-4

@@ -16,24 +16,28 @@ import jax.numpy as jnp
 from dsparkjax.model.hc import hc_post, hc_pre
 from dsparkjax.model.layers import apply_rope, fp8_kv_sim, grouped_output, rms_norm, sink_attention, swiglu
 from dsparkjax.model.params import Attention, Block, HyperConnection, MoE
-from dsparkjax.model.weights import expert_linear, linear
+from dsparkjax.model.weights import expert_linear, expert_linear_rows, linear, linear_rows
 
 Aux = TypeVar("Aux")
 
 
-def query_heads(at: Attention, x: jax.Array, positions: jax.Array, freqs: Any, cfg: Any
-                ) -> tuple[jax.Array, jax.Array]:
-    """Low-rank queries: `qr = RMSNorm(x·wq_aᵀ)`, heads = per-head unweighted RMSNorm of `qr·wq_bᵀ`, roped.
+def query_heads(at: Attention, x: jax.Array, positions: jax.Array, freqs: Any, cfg: Any, simulate_qat: bool
+                ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Low-rank queries: `qr = RMSNorm(x·wq_aᵀ)`, heads = per-head unweighted RMSNorm of `qr·wq_bᵀ`, roped;
+    and the kv rows of the same input (`kv_rows`), whose projection shares the call with `wq_a`.
 
     Args:
       x: `[B, Q, D]` normalised input; positions: int32 `[B, Q]`.
     Returns:
-      (qr float32 `[B, Q, r_q]` (the indexer reads it too), heads float32 `[B, Q, H, d]`).
+      (qr float32 `[B, Q, r_q]` (the indexer reads it too), heads float32 `[B, Q, H, d]`, kv float32
+      `[B, Q, d]`).
     """
     b, q = positions.shape
-    qr = rms_norm(linear(x, at.wq_a), at.q_norm, cfg.rms_norm_eps)
+    q_low, kv = linear_rows(x, at.wq_a_kv)
+    qr = rms_norm(q_low, at.q_norm, cfg.rms_norm_eps)
     heads = linear(qr, at.wq_b).reshape(b, q, cfg.num_heads, cfg.head_dim)
-    return qr, apply_rope(rms_norm(heads, None, cfg.rms_norm_eps), positions[..., None], freqs)
+    heads = apply_rope(rms_norm(heads, None, cfg.rms_norm_eps), positions[..., None], freqs)
+    return qr, heads, _kv_finish(at, kv, positions, freqs, cfg, simulate_qat)
 
 
 def kv_sim(kv: jax.Array, nope_dim: int, simulate_qat: bool) -> jax.Array:
@@ -45,8 +49,15 @@ def kv_sim(kv: jax.Array, nope_dim: int, simulate_qat: bool) -> jax.Array:
 
 def kv_rows(at: Attention, x: jax.Array, positions: jax.Array, freqs: Any, cfg: Any, simulate_qat: bool
             ) -> jax.Array:
-    """The single shared K=V head: `RMSNorm(x·wkvᵀ)`, roped at `positions`, FP8-simulated. `[..., d]` float32."""
-    kv = apply_rope(rms_norm(linear(x, at.wkv), at.kv_norm, cfg.rms_norm_eps), positions, freqs)
+    """The single shared K=V head alone: `RMSNorm(x·wkvᵀ)`, roped at `positions`, FP8-simulated. `[..., d]`
+    float32. (Where wkv shares a weight with wq_a this multiplies both: `query_heads` is the call then.)"""
+    (kv,) = linear_rows(x, at.wq_a_kv, only=(1,))
+    return _kv_finish(at, kv, positions, freqs, cfg, simulate_qat)
+
+
+def _kv_finish(at: Attention, kv: jax.Array, positions: jax.Array, freqs: Any, cfg: Any, simulate_qat: bool
+               ) -> jax.Array:
+    kv = apply_rope(rms_norm(kv, at.kv_norm, cfg.rms_norm_eps), positions, freqs)
     return kv_sim(kv, cfg.nope_dim, simulate_qat)
 
 
@@ -133,8 +144,8 @@ def moe_output(mo: MoE, x: jax.Array, ids: jax.Array, weights: jax.Array, limit:
     Returns:
       float32 `[..., D]`.
     """
-    hidden = swiglu(expert_linear(x, mo.gate, ids), expert_linear(x, mo.up, ids), limit)
+    hidden = swiglu(*expert_linear_rows(x, mo.gate_up, ids), limit)
     routed = jnp.einsum("...k,...kd->...d", weights, expert_linear(hidden, mo.down, ids),
                         precision=jax.lax.Precision.HIGHEST)
-    shared_hidden = swiglu(linear(x, mo.shared_gate), linear(x, mo.shared_up), shared_limit)
+    shared_hidden = swiglu(*linear_rows(x, mo.shared_gate_up), shared_limit)
     return routed + linear(shared_hidden, mo.shared_down)

@@ -72,8 +72,7 @@ class DrafterModel:
         cfg = self.cfg
 
         def attention(x: jax.Array) -> tuple[jax.Array, None]:
-            _, heads = query_heads(stage.attn, x, positions, self.freqs, cfg)
-            block_kv = kv_rows(stage.attn, x, positions, self.freqs, cfg, self.simulate_qat)
+            _, heads, block_kv = query_heads(stage.attn, x, positions, self.freqs, cfg, self.simulate_qat)
             block_kv = block_kv.astype(context.dtype).astype(jnp.float32)
             all_rows = jnp.ones(positions.shape + positions.shape[1:], bool)
             key_sets = [(context.astype(jnp.float32), context_valid), (block_kv, all_rows)]

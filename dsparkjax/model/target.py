@@ -19,7 +19,6 @@ from dsparkjax.model.block import (
     attend,
     attention_output,
     block_forward,
-    kv_rows,
     kv_sim,
     moe_output,
     query_heads,
@@ -136,8 +135,7 @@ class TargetModel:
         cfg, at = self.cfg, blk.attn
         kind = cfg.layer_type(layer)
         freqs = self.swa_freqs if kind == "swa" else self.compressed_freqs
-        qr, heads = query_heads(at, x, positions, freqs, cfg)
-        kv = kv_rows(at, x, positions, freqs, cfg, self.options.simulate_qat)
+        qr, heads, kv = query_heads(at, x, positions, freqs, cfg, self.options.simulate_qat)
         window = ring_write(cache.window, kv, positions)
         cache = cache.replace(window=window)
 

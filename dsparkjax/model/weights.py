@@ -18,7 +18,7 @@ the tokens that chose it. The row count is a static shape, so a program takes on
 from __future__ import annotations
 
 import os
-from typing import Union
+from typing import Callable, Union
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +41,23 @@ class PackedWeight:
 
 
 Weight = Union[jax.Array, PackedWeight]
+
+
+@struct.dataclass
+class RowBlocks:
+    """Matrices that multiply the same input, their rows stacked at load into as few weights as their formats
+    allow, so that each stacked part is one matmul: one kernel launch and one staging of the activations
+    instead of one per matrix (on the H200 an expert's gate and up in one call take 29 µs instead of 2 x 24,
+    kernel run 16). The packed kernels compute each row in an order of its own, so there a stacked matrix's
+    outputs are its own call's bits; XLA's dots (dense weights, the jnp reference, the dense-copy route) may
+    round the wider product differently. Exact decoding does not mind: every program multiplies the same
+    stacked weights.
+
+    parts[i] holds the matrices of out-sizes sizes[i], in order, along its out axis (`[..., out, in]`).
+    """
+
+    parts: tuple[Weight, ...]
+    sizes: tuple[tuple[int, ...], ...] = struct.field(pytree_node=False)
 
 # Packed non-expert matmuls on the "ffi" backend go through a dense copy and XLA's GEMM from GEMM_MIN_ROWS
 # rows per call, and from GEMM_MIN_ROWS_LARGE rows for weights of LARGE_WEIGHT_BYTES packed bytes or more.
@@ -135,3 +152,29 @@ def expert_linear(x: jax.Array, w: Weight, ids: jax.Array) -> jax.Array:
     x = x.astype(w.dtype)
     spec = "...jk,...jnk->...jn" if per_expert else "...k,...jnk->...jn"
     return jnp.einsum(spec, x, picked, precision=_precision(w), preferred_element_type=jnp.float32)
+
+
+def _split_rows(rb: RowBlocks, multiply: Callable[[Weight], jax.Array], only: tuple[int, ...] | None
+                ) -> tuple[jax.Array, ...]:
+    """The outputs `multiply(part)` gives for each matrix of rb (or for those numbered in `only`), split off
+    their parts' outputs along the last axis; parts holding none of them are not multiplied."""
+    wanted = range(sum(len(s) for s in rb.sizes)) if only is None else only
+    outputs, first = {}, 0
+    for part, sizes in zip(rb.parts, rb.sizes):
+        mine = range(first, first + len(sizes))
+        if any(i in mine for i in wanted):
+            y, start = multiply(part), 0
+            for i, size in zip(mine, sizes):
+                outputs[i], start = y[..., start : start + size], start + size
+        first += len(sizes)
+    return tuple(outputs[i] for i in wanted)
+
+
+def linear_rows(x: jax.Array, rb: RowBlocks, *, only: tuple[int, ...] | None = None) -> tuple[jax.Array, ...]:
+    """`linear(x, w)` for each matrix w of rb (or those numbered in `only`): float32 `[..., out_i]` each."""
+    return _split_rows(rb, lambda w: linear(x, w), only)
+
+
+def expert_linear_rows(x: jax.Array, rb: RowBlocks, ids: jax.Array) -> tuple[jax.Array, ...]:
+    """`expert_linear(x, w, ids)` for each expert stack w of rb: float32 `[..., k, out_i]` each."""
+    return _split_rows(rb, lambda w: expert_linear(x, w, ids), None)
