@@ -77,19 +77,17 @@ ffi::Error QMatmulI8ModelCpu(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi
   auto* yp = static_cast<float*>(y->untyped_data());
   const void* xp = x.untyped_data();
   const bool bf16 = x.element_type() == ffi::DataType::BF16;
-  ffi::Error result =
-      arg_error("the integer-path model serves Q8_0, Q2_K and IQ2_XXS, not ggml type " + std::to_string(ggml_type));
-  i8math::visit_i8_format(ggml_type, [&](auto fmt) {
+  ffi::Error result = ffi::Error::Success();
+  const bool served = i8math::visit_i8_format(ggml_type, [&](auto fmt) {
     using Fmt = decltype(fmt);
-    if (d.row_bytes % 4 != 0) {
+    if (d.row_bytes % 4 != 0)
       result = arg_error("the integer path needs rows of a multiple of 4 bytes, got " + std::to_string(d.row_bytes));
-    } else {
-      if (bf16) i8model::qmatmul<Fmt>(wp, d.N, d.K, d.row_bytes, static_cast<const bf16_t*>(xp), d.T, yp);
-      else i8model::qmatmul<Fmt>(wp, d.N, d.K, d.row_bytes, static_cast<const float*>(xp), d.T, yp);
-      result = ffi::Error::Success();
-    }
+    else if (bf16) i8model::qmatmul<Fmt>(wp, d.N, d.K, d.row_bytes, static_cast<const bf16_t*>(xp), d.T, yp);
+    else i8model::qmatmul<Fmt>(wp, d.N, d.K, d.row_bytes, static_cast<const float*>(xp), d.T, yp);
     return true;
   });
+  if (!served)
+    return arg_error("the integer-path model serves Q8_0, Q2_K and IQ2_XXS, not ggml type " + std::to_string(ggml_type));
   return result;
 }
 
