@@ -18,6 +18,7 @@ import tempfile
 import time
 
 import jax
+import numpy as np
 from absl import app, flags, logging
 from bench_generate import bench_model  # scripts/ is on sys.path
 
@@ -25,6 +26,16 @@ from dsparkjax.spec.generate import generate
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("top", 20, "kernels listed per plane")
+
+
+def line_gaps(line) -> str:
+    """Events of one trace line (a GPU stream, or a host thread) and the idle time between consecutive ones:
+    many events with gaps longer than the events themselves mark a launch-bound stream."""
+    events = sorted(line.events, key=lambda ev: ev.start_ns)
+    gaps = np.array([max(0.0, b.start_ns - (a.start_ns + a.duration_ns)) for a, b in zip(events, events[1:])])
+    busy = sum(ev.duration_ns for ev in events)
+    return (f"{len(events)} events, {busy / 1e6:.2f} ms busy, gaps median {np.median(gaps) / 1e3:.1f} us, "
+            f"total {gaps.sum() / 1e6:.2f} ms")
 
 
 def summarise(path: str, top: int) -> list[str]:
@@ -44,6 +55,7 @@ def summarise(path: str, top: int) -> list[str]:
         count = sum(c for c, _ in by_name.values())
         lines.append(f"== {plane.name}: {count} events, {busy / 1e6:.1f} ms of event time over a {(end - start) / 1e6:.1f} ms "
                      f"span")
+        lines.extend(f"   line {line.name}: {line_gaps(line)}" for line in plane.lines if len(list(line.events)) > 1)
         for name, (c, d) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]:
             lines.append(f"   {d / 1e6:9.2f} ms {c:7d}x  {name[:100]}")
     return lines

@@ -1,5 +1,6 @@
 """The measurement scripts (`scripts/bench_kernels.py`, `scripts/profile_kernel.py`,
-`scripts/bench_generate.py`, `scripts/profile_generate.py`) on CPU.
+`scripts/bench_generate.py`, `scripts/profile_generate.py`,
+`scripts/bench_step.py`) on CPU.
 
 They produce the numbers in docs/PERFORMANCE.md, so their arithmetic is checked here: the benchmark runs
 end to end at tiny sizes, and the duration table is computed from a hand-made Nsight Compute CSV.
@@ -149,6 +150,18 @@ def test_profile_generate_summarises_its_trace():
     assert re.search(r"2 prompts x 3 tokens, 2 decode steps", proc.stdout), proc.stdout
     planes = re.findall(r"^== (\S+): (\d+) events", proc.stdout, re.M)
     assert planes and all(int(n) > 0 for _, n in planes), proc.stdout
+    assert re.search(r"^   line .+: \d+ events, [\d.]+ ms busy, gaps median [\d.]+ us", proc.stdout, re.M), proc.stdout
+
+
+def test_bench_step_times_each_width_and_traces_it():
+    """Each width's step is timed on its own, and --trace summarises a traced run of it."""
+    proc = run_script("bench_step.py", "--config=tiny", "--dtype=float32", "--prompts=2", "--widths=1,3",
+                      "--steps=2", "--reps=1", "--context=64", "--trace", "--top=2")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    timed = re.findall(r"^width (\d): (\d+) rows per matmul, ([\d.]+) ms per step", proc.stdout, re.M)
+    assert [(q, rows) for q, rows, _ in timed] == [("1", "2"), ("3", "6")], proc.stdout
+    assert all(float(ms) > 0 for _, _, ms in timed)
+    assert len(re.findall(r"^trace of 2 steps of width \d:\n== ", proc.stdout, re.M)) == 2, proc.stdout
 
 
 def test_bench_generate_runs_the_chosen_kernels(tmp_path):
