@@ -106,6 +106,21 @@ def test_fast_mode_runs_per_width_programs_and_matches_on_cpu():
     assert [s.token_ids for s in spec] == [p.token_ids for p in plain]
 
 
+def test_plain_fast_mode_queues_ahead_and_stops_each_sequence_on_time():
+    """Plain fast decoding queues step k+1 before reading step k (its program is always width 1): a sequence
+    that stops early still gets exactly its tokens, the others run on, as with exact mode's width."""
+    target = tiny_target_model()
+    prompts = random_prompts(np.random.default_rng(5), 3)
+    exact = generate(target, prompts, max_new_tokens=10, stop_tokens=())
+    stop = exact[1].token_ids[3]  # sequence 1 stops at its 4th token (the others too, if they emit it)
+    want = generate(target, prompts, max_new_tokens=10, stop_tokens=(stop,))
+    fast = generate(target, prompts, max_new_tokens=10, verify="fast", stop_tokens=(stop,))
+    assert [r.token_ids for r in fast] == [r.token_ids for r in want]
+    assert [r.stop_reason for r in fast] == [r.stop_reason for r in want]
+    assert len(fast[1].token_ids) <= 4 and fast[1].stop_reason == "eos"
+    assert max(len(r.token_ids) for r in fast) == 10 or all(r.stop_reason == "eos" for r in fast)
+
+
 # -- named tests from dspark.md §6 -------------------------------------------------------------------------
 
 

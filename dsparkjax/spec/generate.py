@@ -290,12 +290,15 @@ def generate(
             if bar is not None:
                 bar.update(emitted)
 
-    # Exact mode queues step k+1 before reading step k back, so the device never waits for the host; a
-    # sequence that ended at step k gets one more (ignored) step. Fast mode needs the widths on the host.
+    # Step k+1 is queued before step k is read back, so the device never waits for the host; a sequence that
+    # ended at step k gets one more (ignored) step. Only fast speculative decoding reads each step back first:
+    # its next program width is the proposer's widths over the sequences still running. (Plain decoding's
+    # program is fixed, so its fast mode queues ahead as exact mode does.)
+    reads_widths = verify == "fast" and proposer is not None
     pending = None
     while not all(s.done for s in sequences):
         queued = dispatch(np.array([not s.done for s in sequences]))
-        if verify == "fast":
+        if reads_widths:
             process(queued)
             continue
         if pending is not None:
