@@ -1,6 +1,6 @@
 """The measurement scripts (`scripts/bench_kernels.py`, `scripts/profile_kernel.py`,
 `scripts/bench_generate.py`, `scripts/profile_generate.py`,
-`scripts/bench_step.py`) on CPU.
+`scripts/bench_step.py`, `scripts/bench_hc.py`) on CPU.
 
 They produce the numbers in docs/PERFORMANCE.md, so their arithmetic is checked here: the benchmark runs
 end to end at tiny sizes, and the duration table is computed from a hand-made Nsight Compute CSV.
@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
@@ -162,6 +163,25 @@ def test_bench_step_times_each_width_and_traces_it():
     assert [(q, rows) for q, rows, _ in timed] == [("1", "2"), ("3", "6")], proc.stdout
     assert all(float(ms) > 0 for _, _, ms in timed)
     assert len(re.findall(r"^trace of 2 steps of width \d:\n== ", proc.stdout, re.M)) == 2, proc.stdout
+
+
+def test_bench_hc_times_saves_and_compares_outputs(tmp_path):
+    """Every shape is timed; the saved outputs of one build compare equal to themselves and unequal to others."""
+    saved = tmp_path / "a.npz"
+    proc = run_script("bench_hc.py", "--shapes=2x64,3x128", "--calls=2", "--reps=1", f"--save={saved}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    timed = re.findall(r"^T = +(\d+), D = +(\d+): hc_pre +([\d.]+|nan) us, hc_post +([\d.]+|nan) us", proc.stdout,
+                       re.M)  # nan: a slope below the timer's resolution (seconds_per_call), at these toy sizes
+    assert [(t, d) for t, d, _, _ in timed] == [("2", "64"), ("3", "128")], proc.stdout
+    arrays = dict(np.load(saved))
+    assert sorted(arrays) == sorted(f"{s}.{k}" for s in ("2x64", "3x128") for k in ("u", "post", "comb", "out"))
+    same = run_script("bench_hc.py", f"--compare={saved},{saved}")
+    assert same.returncode == 0 and same.stdout.count("bits equal") == 8, same.stdout
+    arrays["3x128.comb"] = np.nextafter(arrays["3x128.comb"], np.float32(2))  # one ulp off
+    other = tmp_path / "b.npz"
+    np.savez(other, **arrays)
+    differ = run_script("bench_hc.py", f"--compare={saved},{other}")
+    assert differ.returncode == 1 and "3x128.comb: differs" in differ.stdout, differ.stdout
 
 
 def test_bench_generate_runs_the_chosen_kernels(tmp_path):
