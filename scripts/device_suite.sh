@@ -7,7 +7,8 @@
 # dsparkjax/_lib (built here with `DSPARKJAX_CUDA=ON`, sm_90) skip the 2-minute build on the device. The whole suite takes
 # about 9-10 minutes (a device call's limit is 10): pass section names to run fewer, e.g.
 #   bash scripts/device_suite.sh kernels generate        (the build runs unless plugins are carried)
-# Not run by default: `durations` (every kernel benchmark call's kernel time alone, under Nsight Compute),
+# Not run by default: `step` (the compiled generation step alone, widths 1 and 6, with its trace: where a step's
+# device time goes), `hc` (the mHC custom calls' time per call, outputs saved for comparing builds), `durations` (every kernel benchmark call's kernel time alone, under Nsight Compute),
 # `profile` (one call of each of two kernels in depth, with each pipe's utilisation) and `routes` (the packed
 # kernel against the model's dense copy on XLA's GEMM at small and large row counts: what sets GEMM_MIN_ROWS in
 # model/weights.py).
@@ -44,6 +45,16 @@ echo "== generation benchmark (bf16)"
 XLA_FLAGS= python3 scripts/bench_generate.py --config wide --dtype bfloat16 --prompts 64 --max_new_tokens 32 \
   --q 4 --acceptance 0.7 --output "$OUT/generate_bf16.json" > "$OUT/generate_bf16.log" 2>&1
 grep -v '^ ' "$OUT/generate_bf16.log" | tail -8
+fi
+if want step; then  # about two minutes
+echo "== compiled step alone (wide model, published recipe), widths 1 and 6, traced"
+XLA_FLAGS= python3 scripts/bench_step.py --config wide --dtype bfloat16 --recipe published --prompts 64 \
+  --widths 1,6 --steps 32 --reps 5 --trace --top 25 > "$OUT/step.txt" 2>&1
+grep -E "^width|^== |^   line" "$OUT/step.txt"
+fi
+if want hc; then  # under a minute; compare two builds with bench_hc.py --compare=A.npz,B.npz
+echo "== mHC custom calls"
+python3 scripts/bench_hc.py --save="$OUT/hc.npz" 2>&1 | grep -v '^[IW][0-9]'
 fi
 if want durations; then  # about three minutes: each call's kernel alone, caches flushed (no overlap, no launch gap)
 echo "== kernel durations (ncu, every shape, T = 1 and 4, against a 1 GiB copy kernel timed the same way)"
