@@ -121,6 +121,37 @@ def test_plain_fast_mode_queues_ahead_and_stops_each_sequence_on_time():
     assert max(len(r.token_ids) for r in fast) == 10 or all(r.stop_reason == "eos" for r in fast)
 
 
+@pytest.mark.parametrize("verify", ["exact", "fast"])
+def test_plain_decoding_queues_a_step_before_reading_one_back(monkeypatch, verify):
+    """The device never waits for the host in plain decoding, either mode: the second decode step is queued
+    before the first one's outcome is read back (fast mode used to read each step first, generation run 11)."""
+    import dsparkjax.spec.generate as gen
+
+    events = []
+    real_step, real_get = gen.compiled_step, gen.jax.device_get
+
+    def logged_step(*args):
+        step = real_step(*args)
+
+        def call(*step_args):
+            events.append("step")
+            return step(*step_args)
+
+        call.compile = step.compile
+        return call
+
+    def logged_get(tree):
+        events.append("get")
+        return real_get(tree)
+
+    monkeypatch.setattr(gen, "compiled_step", logged_step)
+    monkeypatch.setattr(gen.jax, "device_get", logged_get)
+    target = tiny_target_model()
+    prompts = [[3, 4, 5], [6, 7]]  # one prefill chunk
+    generate(target, prompts, max_new_tokens=4, verify=verify, stop_tokens=())
+    assert events[:4] == ["step", "step", "step", "get"], events  # prefill, decode 1, decode 2, read decode 1
+
+
 # -- named tests from dspark.md §6 -------------------------------------------------------------------------
 
 
