@@ -251,7 +251,8 @@ def generate(
     ewma = jnp.full((batch,), policy.ewma_init, jnp.float32)
 
     def dispatch(active: np.ndarray) -> tuple[jax.Array, ...]:
-        """Queue one speculative step on the device (no host sync in exact mode); returns its device outputs."""
+        """Queue one step on the device; returns its device outputs. Only fast speculative decoding syncs here
+        (its program width is the proposer's widths, read on the host)."""
         nonlocal state, proposer_state, seeds, ewma, key
         if proposer is not None:
             drafts, confidences = proposer.propose(proposer_state, seeds, state.length)
