@@ -21,6 +21,7 @@ import numpy as np
 from absl import app, flags
 
 from dsparkjax import kernels
+from dsparkjax.kernels import synthetic
 from dsparkjax.timing import seconds_per_call
 
 FLAGS = flags.FLAGS
@@ -34,15 +35,6 @@ flags.DEFINE_string("save", None, "write every output of one call per shape to t
 flags.DEFINE_list("compare", [], "two .npz files written by --save: compare them bit for bit (nothing is timed)")
 
 HC_EPS, NORM_EPS = 1e-6, 1e-6
-
-
-def hc_inputs(t: int, n: int, d: int, seed: int) -> tuple[jax.Array, ...]:
-    """(streams [T, n, D], fn [(2+n)n, nD], base [(2+n)n], scale [3], block_out [T, D]), float32, seeded."""
-    rng = np.random.default_rng(seed)
-    m = (2 + n) * n
-    return tuple(jnp.asarray(a, jnp.float32) for a in (
-        rng.standard_normal((t, n, d)), rng.standard_normal((m, n * d)) / np.sqrt(n * d),
-        rng.standard_normal(m), rng.uniform(0.5, 2.0, 3), rng.standard_normal((t, d))))
 
 
 def hc_pre(streams: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array) -> tuple[jax.Array, ...]:
@@ -77,10 +69,12 @@ def main(argv: list[str]) -> None:
     saved = {}
     for index, shape in enumerate(FLAGS.shapes):
         t, d = (int(v) for v in shape.split("x"))
-        calls = [hc_inputs(t, n, d, 1000 * index + c) for c in range(2 * FLAGS.calls)]
-        fn, base, scale = calls[0][1:4]
-        streams = [c[0] for c in calls]
-        block_out = [c[4] for c in calls]
+        # one set of mix weights per shape, distinct streams and block outputs per call (seeded per shape)
+        rng = np.random.default_rng(index)
+        first, fn, base, scale = (jnp.asarray(a) for a in synthetic.random_hc_inputs(rng, t, n, d))
+        streams = [first] + [jnp.asarray(rng.standard_normal((t, n, d)), jnp.float32)
+                             for _ in range(2 * FLAGS.calls - 1)]
+        block_out = [jnp.asarray(rng.standard_normal((t, d)), jnp.float32) for _ in range(2 * FLAGS.calls)]
         u, post, comb = hc_pre(streams[0], fn, base, scale)
         out = kernels.hc_post(block_out[0], streams[0], post, comb, backend=FLAGS.backend)
         saved.update({f"{shape}.u": u, f"{shape}.post": post, f"{shape}.comb": comb, f"{shape}.out": out})

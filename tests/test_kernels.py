@@ -436,12 +436,8 @@ def test_gpu_integer_path_equals_its_model(cpu_device, ggml_type, n, k):
 HC = {"iters": 20, "hc_eps": 1e-6, "norm_eps": 1e-6}
 
 
-def _hc_inputs(rng: np.random.Generator, t_rows: int, n: int = 4, d: int = 96):
-    streams = rng.standard_normal((t_rows, n, d)).astype(np.float32)
-    fn = (rng.standard_normal(((2 + n) * n, n * d)) / np.sqrt(n * d)).astype(np.float32)
-    base = rng.standard_normal((2 + n) * n).astype(np.float32)
-    scale = rng.uniform(0.5, 2.0, 3).astype(np.float32)
-    return streams, fn, base, scale
+def _hc_inputs(rng: np.random.Generator, t_rows: int):
+    return synthetic.random_hc_inputs(rng, t_rows, 4, 96)
 
 
 @pytest.mark.parametrize("dtypes", ["f32", "bf16_streams_f16_fn"])

@@ -1,4 +1,4 @@
-"""Random valid packed weights, generated on the device (tests and benchmarks).
+"""Random valid packed weights, generated on the device, and random mHC inputs (tests and benchmarks).
 
 Random bytes exercise every code of every format; only the scale fields are constrained so the blocks are
 valid: finite fp16 `d`/`dmin` (Q8_0, Q2_K, IQ2_XXS) and ROCm scale bytes in 0..0x7E (quant_hc.md §1.1).
@@ -13,6 +13,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dsparkjax.formats import GGMLType, block_size, type_size
 from dsparkjax.formats.rocm import CODECS
@@ -48,3 +49,15 @@ def random_packed(key: jax.Array, ggml_type: int, rows: tuple[int, ...], k: int)
         ns = CODECS[t].n_scales
         raw = raw.at[..., ts - ns :].set(jax.random.randint(ks, (*rows, nb, ns), 0, 0x7F, jnp.int32).astype(jnp.uint8))
     return raw.reshape(*rows, nb * ts)
+
+
+def random_hc_inputs(rng: np.random.Generator, t_rows: int, n: int, d: int
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Inputs of `kernels.hc_pre`, float32: streams `[T, n, D]` standard normal, fn `[(2+n)n, nD]` scaled by
+    1/sqrt(nD) (mixes of order one), base `[(2+n)n]` standard normal, scale `[3]` in [0.5, 2)."""
+    m = (2 + n) * n
+    streams = rng.standard_normal((t_rows, n, d)).astype(np.float32)
+    fn = (rng.standard_normal((m, n * d)) / np.sqrt(n * d)).astype(np.float32)
+    base = rng.standard_normal(m).astype(np.float32)
+    scale = rng.uniform(0.5, 2.0, 3).astype(np.float32)
+    return streams, fn, base, scale
