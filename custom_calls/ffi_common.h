@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <string>
 
+#include "hc_math.h"
 #include "quant_formats.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -59,7 +60,6 @@ inline ffi::Error check_ids(const ffi::AnyBuffer& ids, QDims* d) {
 struct HcDims {
   int64_t T = 0, n = 0, D = 0, M = 0;
 };
-constexpr int kMaxHc = 8;  // the Sinkhorn state lives in fixed-size arrays of kMaxHc^2 floats
 
 inline bool is_float_type(ffi::DataType t) {
   return t == ffi::DataType::F32 || t == ffi::DataType::BF16 || t == ffi::DataType::F16;

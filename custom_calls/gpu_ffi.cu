@@ -383,24 +383,43 @@ __global__ void __launch_bounds__(kHcThreads) hc_mix_kernel(const XT* __restrict
   if (threadIdx.x == 0) mix[t * M + m] = dot * (1.0f / sqrtf(sq / (float)F + norm_eps));
 }
 
-// grid (ceil(D/256), T): gates + Sinkhorn (thread 0, into shared memory), then u[t, d] for this block's d.
+// Token t's gates and Sinkhorn comb into shared memory, one comb element per thread (thread e < n*n holds
+// comb[e / n, e % n]): each half-step reads one buffer and writes the other, so one barrier per half-step
+// orders it. The same per-element functions as the CPU's serial hc_gates, so the bits are the same as a
+// serial run's on this device (run 11: thread 0 alone took 50 us of each of the 1-token step's 12 hc_pre calls).
+// Returns which of the two buffers holds the final comb.
+__device__ int hc_gates_in_block(const float* mix, const float* base, const float* scale, int n, int iters, float eps,
+                                 float* s_pre, float* s_post, float (*s_comb)[kMaxHc * kMaxHc]) {
+  const int e = threadIdx.x, nn = n * n;
+  if (e < n) {
+    s_pre[e] = hc_pre_gate(mix, base, scale, eps, e);
+    s_post[e] = hc_post_gate(mix, base, scale, n, e);
+  }
+  if (e < nn) s_comb[0][e] = hc_comb_start(mix, base, scale, n, eps, e / n, e % n);
+  __syncthreads();
+  int cur = 0;
+  for (int h = 0; h < hc_sinkhorn_half_steps(iters); ++h, cur ^= 1) {
+    if (e < nn) s_comb[cur ^ 1][e] = hc_sinkhorn_elem(s_comb[cur], n, eps, hc_sinkhorn_rows(h), e);
+    __syncthreads();
+  }
+  return cur;
+}
+
+// grid (ceil(D/256), T): gates + Sinkhorn (hc_gates_in_block), then u[t, d] for this block's d.
 template <class XT>
 __global__ void __launch_bounds__(kHcThreads) hc_collapse_kernel(const XT* __restrict__ x, const float* __restrict__ mix,
                                                                  const float* __restrict__ base, const float* __restrict__ scale,
                                                                  float* __restrict__ u, float* __restrict__ post,
                                                                  float* __restrict__ comb, int n, int64_t D, int iters,
                                                                  float hc_eps) {
-  __shared__ float s_pre[kMaxHc], s_post[kMaxHc], s_comb[kMaxHc * kMaxHc];
+  static_assert(kHcThreads >= kMaxHc * kMaxHc, "one thread per comb element");
+  __shared__ float s_pre[kMaxHc], s_post[kMaxHc], s_comb[2][kMaxHc * kMaxHc];
   const int64_t t = blockIdx.y;
-  const int M = (2 + n) * n;
-  if (threadIdx.x == 0) {
-    hc_gates(mix + t * M, base, scale, n, iters, hc_eps, s_pre, s_post, s_comb);
-    if (blockIdx.x == 0) {
-      for (int j = 0; j < n; ++j) post[t * n + j] = s_post[j];
-      for (int j = 0; j < n * n; ++j) comb[t * n * n + j] = s_comb[j];
-    }
+  const int cur = hc_gates_in_block(mix + t * (2 + n) * n, base, scale, n, iters, hc_eps, s_pre, s_post, s_comb);
+  if (blockIdx.x == 0) {
+    if (threadIdx.x < n) post[t * n + threadIdx.x] = s_post[threadIdx.x];
+    if (threadIdx.x < n * n) comb[t * n * n + threadIdx.x] = s_comb[cur][threadIdx.x];
   }
-  __syncthreads();
   const int64_t d = (int64_t)blockIdx.x * kHcThreads + threadIdx.x;
   if (d < D) u[t * D + d] = hc_collapse(x + t * n * D, s_pre, n, D, d);
 }
