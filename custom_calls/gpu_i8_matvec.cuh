@@ -440,31 +440,61 @@ __device__ ExpertWorker expert_worker(const int32_t* ids, int32_t e, int P, cons
   return {before + c - sh.first(p), all};
 }
 
-// MoE: C persistent CTAs shared among the P slots (SlotShares). Every slot's CTAs serve its expert: with m slots
-// choosing expert e, all their CTAs are e's workers, whose warps take e's groups of R rows grid-stride, each
-// group times every one of the m slots, `slots` (<= NC) slots per pass. Each selected expert's rows are read
-// once per call when no more than `slots` tokens chose it, and the work per CTA is about the same whatever the
-// experts' multiplicities (serving an expert on the CTAs of its first slot alone, as before kernel run 14, left
-// an expert chosen by two or three tokens to one slot's CTAs while the others' exited at once).
+// MoE, expert-major grid: whether any of the P slots chose expert e (every warp finds the same answer).
+__device__ bool expert_is_chosen(const int32_t* ids, int32_t e, int P) {
+  const int lane = threadIdx.x % kLanes;
+  for (int q0 = 0; q0 < P; q0 += kLanes)
+    if (gpu_any(q0 + lane < P && ids[q0 + lane] == e)) return true;
+  return false;
+}
+
+// MoE: C persistent CTAs, in one of two grids. Slot-major (expert_ctas = 0): the CTAs shared among the P slots
+// (SlotShares), every slot's CTAs serving its expert: with m slots choosing expert e, all their CTAs are e's
+// workers. Expert-major (expert_ctas = m > 0, C = E·m): CTAs e·m .. e·m + m - 1 are expert e's workers, and an
+// expert nobody chose leaves before reading anything; for calls of many more slots than resident CTAs on at most as
+// many experts as resident CTAs, where a slot-major grid launches at least one CTA per slot, each staging all its
+// expert's tokens for a few of its rows (generation run 11: 1536 slots on 32 experts at width 6, 48 tokens each;
+// kernel run 17: 116 against 329 us). With more experts than that, one CTA per expert leaves an expert chosen by
+// many tokens to one CTA (kernel run 17: DS4's 256 experts at 64 tokens, 772 against 467 us), so those calls stay
+// slot-major. Either way the workers' warps take e's groups of R rows grid-stride, each group times every slot
+// choosing e, `slots` (<= NC) slots per pass. Each selected expert's rows are read once per call when no more than
+// `slots` tokens chose it, and the work per CTA is about the same whatever the experts' multiplicities (serving an
+// expert on the CTAs of its first slot alone, as before kernel run 14, left an expert chosen by two or three tokens
+// to one slot's CTAs while the others' exited at once). An invalid id's output row is zeroed: in the slot-major grid
+// by its slot's CTAs, in the expert-major one by CTA p mod C.
 template <class Fmt, int NC, int R, int W, int S>
 __global__ void __launch_bounds__(W * kLanes, kWarpsPerSm / W)
     qmatmul_id_kernel(Args a, const void* __restrict__ x, bool bf16, const int32_t* __restrict__ ids, int64_t E, int topk,
-                      int P, int slots) {
+                      int P, int slots, int expert_ctas) {
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ ColTable s_cols;
   __shared__ int s_next;
   TableFill<Fmt, W> tables;
   tables.load();
-  const SlotShares sh((int)gridDim.x, P);
-  const int c = (int)blockIdx.x, p = sh.slot_of(c);
-  const int32_t e = ids[p];
-  if (e < 0 || e >= E) {  // an invalid id: zero rows, shared by the slot's CTAs
-    for (int64_t i = (int64_t)(c - sh.first(p)) * blockDim.x + threadIdx.x; i < a.N;
-         i += (int64_t)sh.count(p) * blockDim.x)
-      a.y[(int64_t)p * a.N + i] = 0.0f;
-    return;
+  const int c = (int)blockIdx.x;
+  int32_t e;
+  ExpertWorker wk;
+  if (expert_ctas > 0) {
+    for (int q = c; q < P; q += (int)gridDim.x) {
+      const int32_t id = ids[q];
+      if (id < 0 || id >= E)
+        for (int64_t i = threadIdx.x; i < a.N; i += blockDim.x) a.y[(int64_t)q * a.N + i] = 0.0f;
+    }
+    e = c / expert_ctas;
+    if (!expert_is_chosen(ids, e, P)) return;
+    wk = {c % expert_ctas, expert_ctas};
+  } else {
+    const SlotShares sh((int)gridDim.x, P);
+    const int p = sh.slot_of(c);
+    e = ids[p];
+    if (e < 0 || e >= E) {  // an invalid id: zero rows, shared by the slot's CTAs
+      for (int64_t i = (int64_t)(c - sh.first(p)) * blockDim.x + threadIdx.x; i < a.N;
+           i += (int64_t)sh.count(p) * blockDim.x)
+        a.y[(int64_t)p * a.N + i] = 0.0f;
+      return;
+    }
+    wk = expert_worker(ids, e, P, sh, p, c);
   }
-  const ExpertWorker wk = expert_worker(ids, e, P, sh, p, c);
   Args ae = a;
   ae.w = a.w + e * a.N * a.row_bytes;
   RowStream<Fmt, R, S> rows = warp_stream<Fmt, R, W, S>(ae, smem, wk.index * W, wk.count, (int)((a.N + R - 1) / R));
@@ -740,10 +770,17 @@ bool launch_qmatmul_id(gpuStream_t stream, const QDims& d, const uint8_t* w, con
         if constexpr (kNC > 1 || W == kWarps) {  // passes of several tokens take wide CTAs only
           constexpr auto kKernel = qmatmul_id_kernel<Fmt, kNC, kR, W, S>;
           const int smem = launch_smem_bytes<Fmt, kR, W, S>(slots, d.K);
-          // every CTA that fits at once, shared among the slots (at least one each, at most one per W row groups)
-          const int64_t ctas =
-              std::max<int64_t>(P, std::min<int64_t>(resident_ctas<kKernel, W>(smem), P * ctas_for_rows<W>(d.N, kR)));
-          kKernel<<<(unsigned)ctas, W * kLanes, smem, stream>>>(a, x, bf16, ids, d.E, (int)d.k, P, slots);
+          const int64_t resident = resident_ctas<kKernel, W>(smem), row_ctas = ctas_for_rows<W>(d.N, kR);
+          if (P > 2 * resident && d.E > 0 && d.E <= resident) {
+            // expert-major: about two waves of CTAs over the experts, at most one per W row groups each
+            const int64_t m = std::min<int64_t>(2 * resident / d.E, row_ctas);
+            kKernel<<<(unsigned)(d.E * m), W * kLanes, smem, stream>>>(a, x, bf16, ids, d.E, (int)d.k, P, slots, (int)m);
+          } else {
+            // slot-major: every CTA that fits at once, shared among the slots (at least one each, at most one
+            // per W row groups)
+            const int64_t ctas = std::max<int64_t>(P, std::min<int64_t>(resident, P * row_ctas));
+            kKernel<<<(unsigned)ctas, W * kLanes, smem, stream>>>(a, x, bf16, ids, d.E, (int)d.k, P, slots, 0);
+          }
         }
       });
       launched = true;

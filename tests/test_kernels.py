@@ -432,6 +432,40 @@ def test_gpu_integer_path_equals_its_model(cpu_device, ggml_type, n, k):
             np.testing.assert_array_equal(grouped[:, g], model[g][:t_rows])
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("ggml_type", INT_PATH_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("experts, chosen, n, k, dtype",
+                         [(8, 8, 300, 2048, jnp.float32), (64, 48, 40, 512, jnp.bfloat16)],
+                         ids=["several_ctas_per_expert", "one_cta_per_expert"])
+def test_gpu_expert_major_moe_equals_its_model(cpu_device, ggml_type, experts, chosen, n, k, dtype):
+    """A MoE call of more slots than twice the resident CTAs, on no more experts than resident CTAs, takes the
+    expert-major grid: four experts per token for (SMs + 8) tokens exceeds that for every launch geometry. Each
+    slot's row equals the CPU model's, duplicate ids included; invalid ids (-1, E) give zero rows even where a
+    previous call left numbers behind; 40 rows make one CTA per expert, and the tokens choose among the first
+    `chosen` experts only, so the others' CTAs find no work."""
+    dev = _gpu_device()
+    if dev is None or not kernels.ffi.available("gpu"):
+        pytest.skip("needs a GPU and the CUDA plugin")
+    rng = np.random.default_rng(11)
+    t_rows, topk = dev.core_count + 8, 4
+    w = random_packed(rng, ggml_type, (experts, n), k)
+    x = np.asarray(jnp.asarray(rng.standard_normal((t_rows, k)), dtype))
+    ids = rng.integers(0, chosen, (t_rows, topk)).astype(np.int32)
+    ids[3, 1] = ids[3, 0]  # a token choosing one expert twice
+    for (t, j), bad_id in zip([(0, 2), (5, 0), (t_rows - 1, 3)], (-1, experts, -1)):
+        ids[t, j] = bad_id
+    xd, wd = jax.device_put(x, dev), jax.device_put(w, dev)
+    _qmatmul_id(xd, wd, jax.device_put(np.abs(ids) % experts, dev), ggml_type, "ffi").block_until_ready()
+    got = np.asarray(_qmatmul_id(xd, wd, jax.device_put(ids, dev), ggml_type, "ffi"))
+    xc = jax.device_put(x, cpu_device)
+    model = {e: np.asarray(_i8_model(xc, jax.device_put(w[e], cpu_device), int(ggml_type)))
+             for e in {int(e) for e in ids.ravel() if 0 <= e < experts}}
+    for t in range(t_rows):
+        for j in range(topk):
+            want = model[ids[t, j]][t] if 0 <= ids[t, j] < experts else np.zeros(n, np.float32)
+            np.testing.assert_array_equal(got[t, j], want, err_msg=f"token {t}, slot {j}, expert {ids[t, j]}")
+
+
 # --------------------------------------------------------------------------- mHC
 HC = {"iters": 20, "hc_eps": 1e-6, "norm_eps": 1e-6}
 
