@@ -152,6 +152,38 @@ def test_plain_decoding_queues_a_step_before_reading_one_back(monkeypatch, verif
     assert events[:4] == ["step", "step", "step", "get"], events  # prefill, decode 1, decode 2, read decode 1
 
 
+@pytest.mark.parametrize("verify", ["exact", "fast"])
+def test_plain_decoding_compiles_only_the_widths_it_dispatches(monkeypatch, verify):
+    """Before its clock starts, plain decoding compiles the prefill chunk's program and the one width it
+    decodes with (exact: block + 1; fast: 1), not every width fast speculative decoding needs (each width of a
+    DS4-sized model takes tens of seconds to compile), and it dispatches no width it did not compile."""
+    import dsparkjax.spec.generate as gen
+
+    compiled, dispatched = set(), set()
+    real_step = gen.compiled_step
+
+    def logged_step(*args):
+        step = real_step(*args)
+
+        def call(params, state, tokens):
+            dispatched.add(tokens.shape[1])
+            return step(params, state, tokens)
+
+        def compile(params, state, tokens):
+            compiled.add(tokens.shape[1])
+            return step.compile(params, state, tokens)
+
+        call.compile = compile
+        return call
+
+    monkeypatch.setattr(gen, "compiled_step", logged_step)
+    generate(tiny_target_model(), [[3, 4, 5], [6, 7]], max_new_tokens=4, verify=verify, stop_tokens=(),
+             prefill_chunk=8)
+    decode_width = gen.DEFAULT_BLOCK + 1 if verify == "exact" else 1
+    assert compiled == {8, decode_width}
+    assert dispatched <= compiled
+
+
 # -- named tests from dspark.md §6 -------------------------------------------------------------------------
 
 

@@ -205,7 +205,14 @@ def generate(
     step = compiled_step(cfg, target.options(drafter.capture_layers if drafter is not None else ()))
     state = init_state(cfg, batch, max_len, max_step, target.dtype)
     proposer_state = proposer.init_state(batch, max_step) if proposer is not None else None
-    widths = (exact_width,) if verify == "exact" else tuple(range(1, exact_width + 1))
+    # The step widths this run dispatches: exact mode's one; plain fast decoding's width 1; fast speculative
+    # decoding's 1..block+1, one per proposer width.
+    if verify == "exact":
+        widths = (exact_width,)
+    elif proposer is None:
+        widths = (1,)
+    else:
+        widths = tuple(range(1, exact_width + 1))
     for w in {prefill_chunk, *widths}:  # every program this run can need, compiled before the clock starts
         step.compile(target.params, state, jax.ShapeDtypeStruct((batch, w), jnp.int32))
     if proposer is not None:
