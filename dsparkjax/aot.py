@@ -1,7 +1,7 @@
 """Ahead-of-time compiled functions: one XLA executable per argument signature, compiled once and reused.
 
-`generate` compiles every program a run can need (each step width, the proposer's calls) before it starts
-its clock, so tok/s measures decoding, not XLA.
+`generate` compiles every program a run can need (each step width, the proposer's calls, its decode loop's
+helpers) before it starts its clock, so tok/s measures decoding, not XLA.
 """
 
 from __future__ import annotations

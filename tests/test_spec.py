@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 
 import chex
 import jax.numpy as jnp
@@ -182,6 +183,40 @@ def test_plain_decoding_compiles_only_the_widths_it_dispatches(monkeypatch, veri
     decode_width = gen.DEFAULT_BLOCK + 1 if verify == "exact" else 1
     assert compiled == {8, decode_width}
     assert dispatched <= compiled
+
+
+@pytest.mark.parametrize("mode, verify, temperature", [("ar", "exact", 0.0), ("ar", "fast", 0.0),
+                                                        ("spec", "exact", 0.0), ("spec", "fast", 0.0),
+                                                        ("ar", "fast", 0.8)])
+def test_generate_compiles_nothing_after_its_clock_starts(monkeypatch, mode, verify, temperature):
+    """tok/s measures decoding: every XLA program a run dispatches (the step, the proposer's calls and the
+    decode loop's own helpers) is compiled before generate reads its clock, even in a process that has not
+    seen these shapes (7 sequences: a batch no other test uses)."""
+    import jax
+
+    import dsparkjax.spec.generate as gen
+
+    target, drafter = pair()
+    clock, late = {"started": False}, []
+
+    class Clock:  # generate's `time`: its first perf_counter() call starts the clock
+        @staticmethod
+        def perf_counter() -> float:
+            clock["started"] = True
+            return time.perf_counter()
+
+    def on_event(event: str, duration: float, **kwargs) -> None:
+        if clock["started"] and event == "/jax/core/compile/backend_compile_duration":
+            late.append(event)
+
+    monkeypatch.setattr(gen, "time", Clock)
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    try:
+        generate(target, random_prompts(np.random.default_rng(8), 7), drafter=drafter, mode=mode, verify=verify,
+                 temperature=temperature, max_new_tokens=5, stop_tokens=())
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_event)
+    assert not late, f"{len(late)} XLA compiles after the clock started"
 
 
 # -- named tests from dspark.md §6 -------------------------------------------------------------------------

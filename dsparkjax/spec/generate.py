@@ -98,6 +98,37 @@ def _pick(logits: jax.Array, rows: jax.Array, temperature: jax.Array, key: jax.A
     return jnp.argmax(picked, axis=-1).astype(jnp.int32)
 
 
+@functools.partial(jax.jit, static_argnums=(1,))
+def _plain_proposal(seeds: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
+    """Plain decoding's stand-in for a proposal from seeds int32 `[B]`: drafts int32 `[B, block]` (the seed
+    repeated, never verified) and widths int32 `[B]` of 1."""
+    return jnp.broadcast_to(seeds[:, None], (seeds.shape[0], block)), jnp.ones_like(seeds)
+
+
+@jax.jit
+def _sample_row0(logits: jax.Array, temperature: jax.Array, key: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Sampled plain decoding: each sequence's next token from its row 0 of logits float32 `[B, W, V]`, and the
+    advanced key."""
+    key, sub = jax.random.split(key)
+    return _pick(logits, jnp.zeros(logits.shape[:1], jnp.int32), temperature, sub, True), key
+
+
+def _compile_decode_helpers(batch: int, block: int, vocab: int, widths: Sequence[int], policy: WidthPolicy,
+                            plain: bool, temperature: jax.Array | None, key: jax.Array) -> None:
+    """Compile the decode loop's own jitted helpers for every width it dispatches (jit keeps what `lower`
+    compiled), so that nothing compiles once generate's clock runs. `temperature` is None unless sampling."""
+    ints, floats = jax.ShapeDtypeStruct((batch,), jnp.int32), jax.ShapeDtypeStruct((batch,), jnp.float32)
+    if plain:
+        _plain_proposal.lower(ints, block).compile()
+    for w in widths:
+        logits = jax.ShapeDtypeStruct((batch, w, vocab), jnp.float32)
+        drafts, candidates = (jax.ShapeDtypeStruct((batch, n), jnp.int32) for n in (block, w - 1))
+        _verify_rows.lower(ints, drafts, ints, w).compile()
+        _finish.lower(logits, candidates, ints, jax.ShapeDtypeStruct((batch,), jnp.bool_), floats, policy).compile()
+        if temperature is not None:
+            _sample_row0.lower(logits, temperature, key).compile()
+
+
 class _Sequence:
     """Host-side bookkeeping of one sequence: emitted tokens, counters, stopping."""
 
@@ -243,6 +274,10 @@ def generate(
                                   sample))
         first[ends] = picked[ends]
         committed += valid
+    seeds = jnp.asarray(first)
+    ewma = jnp.full((batch,), policy.ewma_init, jnp.float32)
+    _compile_decode_helpers(batch, block, cfg.vocab_size, widths, policy, proposer is None,
+                            temperature if sample else None, key)
     bar = None
     if progress:
         from tqdm import tqdm
@@ -254,9 +289,6 @@ def generate(
         if bar is not None:
             bar.update(emitted)
 
-    seeds = jnp.asarray(first)
-    ewma = jnp.full((batch,), policy.ewma_init, jnp.float32)
-
     def dispatch(active: np.ndarray) -> tuple[jax.Array, ...]:
         """Queue one step on the device; returns its device outputs. Only fast speculative decoding syncs here
         (its program width is the proposer's widths, read on the host)."""
@@ -267,13 +299,12 @@ def generate(
             program = exact_width if verify == "exact" else int(np.asarray(widths)[active].max())
         else:
             program = exact_width if verify == "exact" else 1
-            drafts, widths = jnp.broadcast_to(seeds[:, None], (batch, block)), jnp.ones((batch,), jnp.int32)
+            drafts, widths = _plain_proposal(seeds, block)
         tokens, candidates, positions = _verify_rows(seeds, drafts, state.length, program)
         logits, features, state = step(target.params, state, tokens)
-        matched, bonus, bad, accepted, ewma = _finish(logits, candidates, widths, jnp.asarray(active), ewma, policy)
+        matched, bonus, bad, accepted, ewma = _finish(logits, candidates, widths, active, ewma, policy)
         if sample:  # plain decoding only: the next token is sampled from row 0
-            key, sub = jax.random.split(key)
-            bonus = _pick(logits, jnp.zeros((batch,), jnp.int32), temperature, sub, True)
+            bonus, key = _sample_row0(logits, temperature, key)
         state = commit(state, accepted)
         if proposer is not None:
             proposer_state = proposer.absorb(proposer_state, features, positions)
