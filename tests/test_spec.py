@@ -122,6 +122,30 @@ def test_plain_fast_mode_queues_ahead_and_stops_each_sequence_on_time():
     assert max(len(r.token_ids) for r in fast) == 10 or all(r.stop_reason == "eos" for r in fast)
 
 
+def _watch_step(monkeypatch, on_call, on_compile=lambda tokens: None) -> None:
+    """Patch generate's compiled_step so that every step call and compile first reports its tokens (or
+    their ShapeDtypeStruct) to on_call / on_compile."""
+    import dsparkjax.spec.generate as gen
+
+    real_step = gen.compiled_step
+
+    def watched_step(*args):
+        step = real_step(*args)
+
+        def call(params, state, tokens):
+            on_call(tokens)
+            return step(params, state, tokens)
+
+        def compile(params, state, tokens):
+            on_compile(tokens)
+            return step.compile(params, state, tokens)
+
+        call.compile = compile
+        return call
+
+    monkeypatch.setattr(gen, "compiled_step", watched_step)
+
+
 @pytest.mark.parametrize("verify", ["exact", "fast"])
 def test_plain_decoding_queues_a_step_before_reading_one_back(monkeypatch, verify):
     """The device never waits for the host in plain decoding, either mode: the second decode step is queued
@@ -129,23 +153,13 @@ def test_plain_decoding_queues_a_step_before_reading_one_back(monkeypatch, verif
     import dsparkjax.spec.generate as gen
 
     events = []
-    real_step, real_get = gen.compiled_step, gen.jax.device_get
-
-    def logged_step(*args):
-        step = real_step(*args)
-
-        def call(*step_args):
-            events.append("step")
-            return step(*step_args)
-
-        call.compile = step.compile
-        return call
+    real_get = gen.jax.device_get
 
     def logged_get(tree):
         events.append("get")
         return real_get(tree)
 
-    monkeypatch.setattr(gen, "compiled_step", logged_step)
+    _watch_step(monkeypatch, on_call=lambda tokens: events.append("step"))
     monkeypatch.setattr(gen.jax, "device_get", logged_get)
     target = tiny_target_model()
     prompts = [[3, 4, 5], [6, 7]]  # one prefill chunk
@@ -161,23 +175,8 @@ def test_plain_decoding_compiles_only_the_widths_it_dispatches(monkeypatch, veri
     import dsparkjax.spec.generate as gen
 
     compiled, dispatched = set(), set()
-    real_step = gen.compiled_step
-
-    def logged_step(*args):
-        step = real_step(*args)
-
-        def call(params, state, tokens):
-            dispatched.add(tokens.shape[1])
-            return step(params, state, tokens)
-
-        def compile(params, state, tokens):
-            compiled.add(tokens.shape[1])
-            return step.compile(params, state, tokens)
-
-        call.compile = compile
-        return call
-
-    monkeypatch.setattr(gen, "compiled_step", logged_step)
+    _watch_step(monkeypatch, on_call=lambda tokens: dispatched.add(tokens.shape[1]),
+                on_compile=lambda tokens: compiled.add(tokens.shape[1]))
     generate(tiny_target_model(), [[3, 4, 5], [6, 7]], max_new_tokens=4, verify=verify, stop_tokens=(),
              prefill_chunk=8)
     decode_width = gen.DEFAULT_BLOCK + 1 if verify == "exact" else 1

@@ -59,7 +59,7 @@ def _width_fn(policy: WidthPolicy) -> AotFunction:
     return AotFunction(policy.choose)
 
 
-@functools.partial(jax.jit, static_argnums=(3,))
+@functools.partial(AotFunction, static_argnums=(3,))
 def _verify_rows(seeds: jax.Array, drafts: jax.Array, length: jax.Array, width: int
                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(rows int32 `[B, width]` = seed then drafts, the candidates `[B, width − 1]`, their positions)."""
@@ -68,7 +68,7 @@ def _verify_rows(seeds: jax.Array, drafts: jax.Array, length: jax.Array, width: 
     return rows, candidates, length[:, None] + jnp.arange(width, dtype=jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnums=(5,))
+@functools.partial(AotFunction, static_argnums=(5,))
 def _finish(logits: jax.Array, candidates: jax.Array, widths: jax.Array, active: jax.Array, ewma: jax.Array,
             policy: WidthPolicy) -> tuple[jax.Array, ...]:
     """After a step: accept, pick the bonus, count the rows to commit (seed + accepted, active sequences
@@ -98,14 +98,14 @@ def _pick(logits: jax.Array, rows: jax.Array, temperature: jax.Array, key: jax.A
     return jnp.argmax(picked, axis=-1).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnums=(1,))
+@functools.partial(AotFunction, static_argnums=(1,))
 def _plain_proposal(seeds: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
     """Plain decoding's stand-in for a proposal from seeds int32 `[B]`: drafts int32 `[B, block]` (the seed
     repeated, never verified) and widths int32 `[B]` of 1."""
     return jnp.broadcast_to(seeds[:, None], (seeds.shape[0], block)), jnp.ones_like(seeds)
 
 
-@jax.jit
+@AotFunction
 def _sample_row0(logits: jax.Array, temperature: jax.Array, key: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Sampled plain decoding: each sequence's next token from its row 0 of logits float32 `[B, W, V]`, and the
     advanced key."""
@@ -115,18 +115,18 @@ def _sample_row0(logits: jax.Array, temperature: jax.Array, key: jax.Array) -> t
 
 def _compile_decode_helpers(batch: int, block: int, vocab: int, widths: Sequence[int], policy: WidthPolicy,
                             plain: bool, temperature: jax.Array | None, key: jax.Array) -> None:
-    """Compile the decode loop's own jitted helpers for every width it dispatches (jit keeps what `lower`
-    compiled), so that nothing compiles once generate's clock runs. `temperature` is None unless sampling."""
+    """Compile the decode loop's own helpers for every width it dispatches, so that nothing compiles once
+    generate's clock runs. `temperature` is None unless sampling."""
     ints, floats = jax.ShapeDtypeStruct((batch,), jnp.int32), jax.ShapeDtypeStruct((batch,), jnp.float32)
     if plain:
-        _plain_proposal.lower(ints, block).compile()
+        _plain_proposal.compile(ints, block)
     for w in widths:
         logits = jax.ShapeDtypeStruct((batch, w, vocab), jnp.float32)
         drafts, candidates = (jax.ShapeDtypeStruct((batch, n), jnp.int32) for n in (block, w - 1))
-        _verify_rows.lower(ints, drafts, ints, w).compile()
-        _finish.lower(logits, candidates, ints, jax.ShapeDtypeStruct((batch,), jnp.bool_), floats, policy).compile()
+        _verify_rows.compile(ints, drafts, ints, w)
+        _finish.compile(logits, candidates, ints, jax.ShapeDtypeStruct((batch,), jnp.bool_), floats, policy)
         if temperature is not None:
-            _sample_row0.lower(logits, temperature, key).compile()
+            _sample_row0.compile(logits, temperature, key)
 
 
 class _Sequence:
