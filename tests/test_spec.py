@@ -122,28 +122,30 @@ def test_plain_fast_mode_queues_ahead_and_stops_each_sequence_on_time():
     assert max(len(r.token_ids) for r in fast) == 10 or all(r.stop_reason == "eos" for r in fast)
 
 
-def _watch_step(monkeypatch, on_call, on_compile=lambda tokens: None) -> None:
-    """Patch generate's compiled_step so that every step call and compile first reports its tokens (or
-    their ShapeDtypeStruct) to on_call / on_compile."""
+def _watch_programs(monkeypatch, on_call, on_compile=lambda width: None) -> None:
+    """Patch generate's target programs (the prefill step and the decode step) so that every call and compile
+    first reports its row count to on_call / on_compile."""
     import dsparkjax.spec.generate as gen
 
-    real_step = gen.compiled_step
+    def watched(make, width_of):
+        def make_watched(*args):
+            program = make(*args)
 
-    def watched_step(*args):
-        step = real_step(*args)
+            def call(*call_args):
+                on_call(width_of(call_args))
+                return program(*call_args)
 
-        def call(params, state, tokens):
-            on_call(tokens)
-            return step(params, state, tokens)
+            def compile(*compile_args):
+                on_compile(width_of(compile_args))
+                return program.compile(*compile_args)
 
-        def compile(params, state, tokens):
-            on_compile(tokens)
-            return step.compile(params, state, tokens)
+            call.compile = compile
+            return call
 
-        call.compile = compile
-        return call
+        return make_watched
 
-    monkeypatch.setattr(gen, "compiled_step", watched_step)
+    monkeypatch.setattr(gen, "compiled_step", watched(gen.compiled_step, lambda args: args[2].shape[1]))
+    monkeypatch.setattr(gen, "decode_program", watched(gen.decode_program, lambda args: args[9]))
 
 
 @pytest.mark.parametrize("verify", ["exact", "fast"])
@@ -159,7 +161,7 @@ def test_plain_decoding_queues_a_step_before_reading_one_back(monkeypatch, verif
         events.append("get")
         return real_get(tree)
 
-    _watch_step(monkeypatch, on_call=lambda tokens: events.append("step"))
+    _watch_programs(monkeypatch, on_call=lambda width: events.append("step"))
     monkeypatch.setattr(gen.jax, "device_get", logged_get)
     target = tiny_target_model()
     prompts = [[3, 4, 5], [6, 7]]  # one prefill chunk
@@ -175,8 +177,7 @@ def test_plain_decoding_compiles_only_the_widths_it_dispatches(monkeypatch, veri
     import dsparkjax.spec.generate as gen
 
     compiled, dispatched = set(), set()
-    _watch_step(monkeypatch, on_call=lambda tokens: dispatched.add(tokens.shape[1]),
-                on_compile=lambda tokens: compiled.add(tokens.shape[1]))
+    _watch_programs(monkeypatch, on_call=dispatched.add, on_compile=compiled.add)
     generate(tiny_target_model(), [[3, 4, 5], [6, 7]], max_new_tokens=4, verify=verify, stop_tokens=(),
              prefill_chunk=8)
     decode_width = gen.DEFAULT_BLOCK + 1 if verify == "exact" else 1

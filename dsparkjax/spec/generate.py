@@ -1,10 +1,11 @@
 """Batched greedy generation: plain (AR) or speculative with a proposer, exact or fast verification.
 
-One loop serves both modes. Each step feeds `[seed, c_1 .. c_{w-1}]` per sequence through one jitted target
-step, takes the greedy argmax of every row on the device, accepts the longest prefix of candidates that
-match it, commits seed + accepted rows (rolling back the rest by not committing them), hands the verified
-rows' features to the proposer, and emits the accepted candidates plus the bonus token (the target's own
-next token, which becomes the next seed). Plain decoding is the same step with no candidates.
+One loop serves both modes. Each step feeds `[seed, c_1 .. c_{w-1}]` per sequence through the target step,
+takes the greedy argmax of every row, accepts the longest prefix of candidates that match it and commits
+seed + accepted rows (rolling back the rest by not committing them), all in one device program
+(`spec/decode.py`); then it hands the verified rows' features to the proposer and emits the accepted
+candidates plus the bonus token (the target's own next token, which becomes the next seed). Plain decoding
+is the same step with no candidates. Prefill runs the bare target step in chunks.
 
 Verification modes (`exactness.md`):
 - "exact": every step, decode and verify alike, runs the one program of width 1 + block_size, with padding
@@ -29,8 +30,9 @@ import numpy as np
 from dsparkjax.aot import AotFunction
 from dsparkjax.errors import DsparkError, TokenIdError
 from dsparkjax.model.state import commit, init_state
+from dsparkjax.spec.decode import StepOutcome, decode_program
 from dsparkjax.spec.proposer import Proposer
-from dsparkjax.spec.width import WidthPolicy, accepted_candidates
+from dsparkjax.spec.width import WidthPolicy
 from dsparkjax.target_api import Target, compiled_step
 
 DEFAULT_BLOCK = 5  # DSpark proposes 5 candidates; exact mode without a drafter uses the same program width
@@ -59,34 +61,14 @@ def _width_fn(policy: WidthPolicy) -> AotFunction:
     return AotFunction(policy.choose)
 
 
-@functools.partial(AotFunction, static_argnums=(3,))
-def _verify_rows(seeds: jax.Array, drafts: jax.Array, length: jax.Array, width: int
-                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(rows int32 `[B, width]` = seed then drafts, the candidates `[B, width − 1]`, their positions)."""
-    candidates = drafts[:, : width - 1]
-    rows = jnp.concatenate([seeds[:, None], candidates], axis=1)
-    return rows, candidates, length[:, None] + jnp.arange(width, dtype=jnp.int32)
+@functools.partial(AotFunction, static_argnums=(1,))
+def _seed_padding(seeds: jax.Array, block: int) -> jax.Array:
+    """Plain decoding's stand-in for a proposal: seeds int32 `[B]` repeated to `[B, block]`, never verified.
 
-
-@functools.partial(AotFunction, static_argnums=(5,))
-def _finish(logits: jax.Array, candidates: jax.Array, widths: jax.Array, active: jax.Array, ewma: jax.Array,
-            policy: WidthPolicy) -> tuple[jax.Array, ...]:
-    """After a step: accept, pick the bonus, count the rows to commit (seed + accepted, active sequences
-    only) and update the EWMA."""
-    matched, bonus, bad = _outcome(logits, candidates, widths)
-    return matched, bonus, bad, jnp.where(active, matched + 1, 0), policy.update(ewma, matched)
-
-
-def _outcome(logits: jax.Array, candidates: jax.Array, widths: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(matched int32 `[B]`, bonus int32 `[B]`: the target's greedy token after the accepted prefix,
-    the smallest candidate id that is outside the vocabulary, or −1 if none is)."""
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    matched = accepted_candidates(candidates, greedy, widths)
-    vocab = logits.shape[-1]
-    bad = (candidates < 0) | (candidates >= vocab)
-    first_bad = jnp.where(jnp.any(bad), jnp.min(jnp.where(bad, candidates, jnp.iinfo(jnp.int32).max),
-                                                 initial=jnp.iinfo(jnp.int32).max), -1)
-    return matched, jnp.take_along_axis(greedy, matched[:, None], axis=1)[:, 0], first_bad
+    Exact mode's padding rows cost what real rows do; repeating each sequence's seed routes them like real
+    tokens. (One constant token for every padding row sent all 5 x B of them to the same experts: plain exact
+    decoding took 4.83 instead of about 3.6 ms per step on the benchmark model, generation run 13.)"""
+    return jnp.broadcast_to(seeds[:, None], (seeds.shape[0], block))
 
 
 @functools.partial(jax.jit, static_argnames=("sample",))
@@ -96,37 +78,6 @@ def _pick(logits: jax.Array, rows: jax.Array, temperature: jax.Array, key: jax.A
     if sample:
         return jax.random.categorical(key, picked / temperature).astype(jnp.int32)
     return jnp.argmax(picked, axis=-1).astype(jnp.int32)
-
-
-@functools.partial(AotFunction, static_argnums=(1,))
-def _plain_proposal(seeds: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
-    """Plain decoding's stand-in for a proposal from seeds int32 `[B]`: drafts int32 `[B, block]` (the seed
-    repeated, never verified) and widths int32 `[B]` of 1."""
-    return jnp.broadcast_to(seeds[:, None], (seeds.shape[0], block)), jnp.ones_like(seeds)
-
-
-@AotFunction
-def _sample_row0(logits: jax.Array, temperature: jax.Array, key: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Sampled plain decoding: each sequence's next token from its row 0 of logits float32 `[B, W, V]`, and the
-    advanced key."""
-    key, sub = jax.random.split(key)
-    return _pick(logits, jnp.zeros(logits.shape[:1], jnp.int32), temperature, sub, True), key
-
-
-def _compile_decode_helpers(batch: int, block: int, vocab: int, widths: Sequence[int], policy: WidthPolicy,
-                            plain: bool, temperature: jax.Array | None, key: jax.Array) -> None:
-    """Compile the decode loop's own helpers for every width it dispatches, so that nothing compiles once
-    generate's clock runs. `temperature` is None unless sampling."""
-    ints, floats = jax.ShapeDtypeStruct((batch,), jnp.int32), jax.ShapeDtypeStruct((batch,), jnp.float32)
-    if plain:
-        _plain_proposal.compile(ints, block)
-    for w in widths:
-        logits = jax.ShapeDtypeStruct((batch, w, vocab), jnp.float32)
-        drafts, candidates = (jax.ShapeDtypeStruct((batch, n), jnp.int32) for n in (block, w - 1))
-        _verify_rows.compile(ints, drafts, ints, w)
-        _finish.compile(logits, candidates, ints, jax.ShapeDtypeStruct((batch,), jnp.bool_), floats, policy)
-        if temperature is not None:
-            _sample_row0.compile(logits, temperature, key)
 
 
 class _Sequence:
@@ -233,21 +184,30 @@ def generate(
     # State capacity, rounded up to a power of two so that runs of similar sizes reuse compiled steps.
     max_len = 1 << max(6, (int(lengths.max()) + max_new_tokens + max_step).bit_length())
     # The target's own step options (its HC backend included): the program forward() and the drafter use.
-    step = compiled_step(cfg, target.options(drafter.capture_layers if drafter is not None else ()))
+    options = target.options(drafter.capture_layers if drafter is not None else ())
+    step, decode = compiled_step(cfg, options), decode_program(cfg, options)
     state = init_state(cfg, batch, max_len, max_step, target.dtype)
     proposer_state = proposer.init_state(batch, max_step) if proposer is not None else None
-    # The step widths this run dispatches: exact mode's one; plain fast decoding's width 1; fast speculative
-    # decoding's 1..block+1, one per proposer width.
+    # The decode widths this run dispatches: exact mode's one; plain fast decoding's width 1; fast speculative
+    # decoding's 1..block+1, one per proposer width. Every program it can need is compiled before the clock.
     if verify == "exact":
         widths = (exact_width,)
     elif proposer is None:
         widths = (1,)
     else:
         widths = tuple(range(1, exact_width + 1))
-    for w in {prefill_chunk, *widths}:  # every program this run can need, compiled before the clock starts
-        step.compile(target.params, state, jax.ShapeDtypeStruct((batch, w), jnp.int32))
+    sample, temperature = temperature > 0, jnp.float32(max(temperature, 1e-6))
+    key = jax.random.PRNGKey(seed)
+    step.compile(target.params, state, jax.ShapeDtypeStruct((batch, prefill_chunk), jnp.int32))
+    ints = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    for w in widths:
+        decode.compile(target.params, state, ints, jax.ShapeDtypeStruct((batch, block), jnp.int32), ints,
+                       jax.ShapeDtypeStruct((batch,), jnp.bool_), jax.ShapeDtypeStruct((batch,), jnp.float32),
+                       temperature, key, w, policy.ewma_decay, sample)
     if proposer is not None:
         proposer.precompile(proposer_state, tuple({prefill_chunk, *widths}))
+    else:
+        _seed_padding.compile(ints, block)
     _width_fn(policy).compile(jax.ShapeDtypeStruct((batch, block), jnp.float32),
                               jax.ShapeDtypeStruct((batch,), jnp.float32))
     stops = frozenset(stop_tokens if stop_tokens is not None else (cfg.eos_token_id,))
@@ -256,8 +216,6 @@ def generate(
     # Prefill in chunks through the same step; the argmax after each prompt's last token is its first token.
     committed = np.zeros(batch, np.int64)
     first = np.zeros(batch, np.int32)
-    sample, temperature = temperature > 0, jnp.float32(max(temperature, 1e-6))
-    key = jax.random.PRNGKey(seed)
     while (committed < lengths).any():
         rows = np.zeros((batch, prefill_chunk), np.int32)
         valid = np.clip(lengths - committed, 0, prefill_chunk)
@@ -276,8 +234,9 @@ def generate(
         committed += valid
     seeds = jnp.asarray(first)
     ewma = jnp.full((batch,), policy.ewma_init, jnp.float32)
-    _compile_decode_helpers(batch, block, cfg.vocab_size, widths, policy, proposer is None,
-                            temperature if sample else None, key)
+    plain_widths = jnp.ones((batch,), jnp.int32)  # plain decoding verifies nothing
+    running = np.ones(batch, bool)
+    active = jnp.asarray(running)
     bar = None
     if progress:
         from tqdm import tqdm
@@ -289,31 +248,29 @@ def generate(
         if bar is not None:
             bar.update(emitted)
 
-    def dispatch(active: np.ndarray) -> tuple[jax.Array, ...]:
-        """Queue one step on the device; returns its device outputs. Only fast speculative decoding syncs here
-        (its program width is the proposer's widths, read on the host)."""
+    def dispatch() -> tuple[StepOutcome, jax.Array]:
+        """Queue one step on the device; returns its outcome and widths (device arrays). Only fast speculative
+        decoding syncs here (its program width is the proposer's widths, read on the host)."""
         nonlocal state, proposer_state, seeds, ewma, key
         if proposer is not None:
             drafts, confidences = proposer.propose(proposer_state, seeds, state.length)
             widths = _width_fn(policy)(confidences, ewma)
-            program = exact_width if verify == "exact" else int(np.asarray(widths)[active].max())
+            program = exact_width if verify == "exact" else int(np.asarray(widths)[running].max())
         else:
+            drafts, widths = _seed_padding(seeds, block), plain_widths
             program = exact_width if verify == "exact" else 1
-            drafts, widths = _plain_proposal(seeds, block)
-        tokens, candidates, positions = _verify_rows(seeds, drafts, state.length, program)
-        logits, features, state = step(target.params, state, tokens)
-        matched, bonus, bad, accepted, ewma = _finish(logits, candidates, widths, active, ewma, policy)
-        if sample:  # plain decoding only: the next token is sampled from row 0
-            bonus, key = _sample_row0(logits, temperature, key)
-        state = commit(state, accepted)
+        out = decode(target.params, state, seeds, drafts, widths, active, ewma, temperature, key, program,
+                     policy.ewma_decay, sample)
+        state, seeds, ewma, key = out.state, out.outcome.bonus, out.ewma, out.key
         if proposer is not None:
-            proposer_state = proposer.absorb(proposer_state, features, positions)
-        seeds = bonus
-        return candidates, matched, bonus, widths, bad
+            proposer_state = proposer.absorb(proposer_state, out.features, out.positions)
+        return out.outcome, widths
 
-    def process(outputs: tuple[jax.Array, ...]) -> None:
+    def process(outputs: tuple[StepOutcome, jax.Array]) -> None:
         """Read one step's outcome back and emit its tokens."""
-        host_candidates, host_matched, host_bonus, host_widths, host_bad = jax.device_get(outputs)
+        outcome, host_widths = jax.device_get(outputs)
+        host_candidates, host_matched, host_bonus, host_bad = (outcome.candidates, outcome.matched, outcome.bonus,
+                                                               outcome.bad)
         if host_bad != -1:  # hash layers index tid2eid by token: an out-of-range draft must never be emitted
             raise TokenIdError(f"the proposer drafted token id {int(host_bad)}, outside the vocabulary and hash "
                                f"tables [0, {cfg.vocab_size}) of {target.path}")
@@ -336,7 +293,10 @@ def generate(
     reads_widths = verify == "fast" and proposer is not None
     pending = None
     while not all(s.done for s in sequences):
-        queued = dispatch(np.array([not s.done for s in sequences]))
+        still = np.array([not s.done for s in sequences])
+        if (still != running).any():  # a new mask only when a sequence ended: the same buffer otherwise
+            running, active = still, jnp.asarray(still)
+        queued = dispatch()
         if reads_widths:
             process(queued)
             continue

@@ -44,7 +44,12 @@ class WidthPolicy:
 
     def update(self, ewma: jax.Array, matched: jax.Array) -> jax.Array:
         """The EWMA after a step that matched `matched` candidates (float32 `[B]`)."""
-        return self.ewma_decay * ewma + (1.0 - self.ewma_decay) * matched.astype(jnp.float32)
+        return ewma_update(ewma, matched, self.ewma_decay)
+
+
+def ewma_update(ewma: jax.Array, matched: jax.Array, decay: float) -> jax.Array:
+    """ewma float32 `[B]` ← decay·ewma + (1 − decay)·matched (int32 `[B]`)."""
+    return decay * ewma + (1.0 - decay) * matched.astype(jnp.float32)
 
 
 def accepted_candidates(candidates: jax.Array, target_argmax: jax.Array, widths: jax.Array) -> jax.Array:
