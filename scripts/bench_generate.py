@@ -11,8 +11,9 @@ A/B on the same numbers), then for the same random prompts measures:
   what is measured here: the verify economics are), exact and fast, and with the random DSpark drafter;
 - exactness: exact-mode speculative tokens == plain exact tokens for every prompt; the fast mode's mismatch
   rate against plain decoding;
-- tok/s, the speculative/plain ratio, and the fraction of the weight-streaming roofline (bytes of weights
-  a plain step reads, over the device copy bandwidth measured in the same run).
+- tok/s of the best of `--reps` runs (each run's time is kept: single runs are noisy), the speculative/plain
+  ratio, and the fraction of the weight-streaming roofline (bytes of weights a plain step reads, over the
+  device copy bandwidth measured in the same run).
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ _PROMPTS = flags.DEFINE_integer("prompts", 64, "Number of random prompts (one ba
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 32, "Tokens per prompt.")
 _ACCEPT = flags.DEFINE_float("acceptance", 0.7, "Oracle proposer: fraction of correct candidates.")
 _WIDTH = flags.DEFINE_string("q", "4", "Verify width for the oracle runs ('adaptive' or 1..6).")
+_REPS = flags.DEFINE_integer("reps", 3, "Timed runs of each configuration (bench_step.py: of each width); the "
+                             "best is reported, with the spread (single runs on the H200 vary by up to 1.6x: "
+                             "generation run 13).")
 _OUTPUT = flags.DEFINE_string("output", None, "Write the results as JSON here.")
 
 
@@ -75,17 +79,40 @@ def step_weight_bytes(target: Target) -> int:
     return total - embed - experts + experts * cfg.n_active_experts // cfg.n_routed_experts
 
 
-def timed(label: str, fn) -> tuple[list[Result], float]:
-    """Run `fn(max_new_tokens)` once briefly to warm up, then fully; return (results, decode seconds): from the
-    start of decoding (after compiling and prefill; generate's own clock) to the last sequence's end."""
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """A configuration's results and its decode seconds over the timed runs (generate's own clock: from the
+    start of decoding, after compiling and prefill, to the last sequence's end)."""
+
+    results: list[Result]
+    seconds: list[float]
+
+    @property
+    def best(self) -> float:
+        return min(self.seconds)
+
+
+def timed(label: str, fn) -> Timing:
+    """Run `fn(max_new_tokens)` once briefly to warm up, then `--reps` times in full; every run must give the
+    same tokens (generation is deterministic). Prints the best run's rate and the spread of ms per step."""
     fn(2)
-    results = fn(_MAX_NEW.value)
-    decode = max(len(r.token_ids) / r.tok_per_s for r in results)
+    seconds, results = [], None
+    for _ in range(_REPS.value):
+        run = fn(_MAX_NEW.value)
+        if results is not None and [r.token_ids for r in run] != [r.token_ids for r in results]:
+            raise RuntimeError(f"{label}: two runs of the same generation gave different tokens")
+        results = run
+        seconds.append(max(len(r.token_ids) / r.tok_per_s for r in run))
     tokens = sum(len(r.token_ids) for r in results)
-    steps = max(r.steps for r in results)
-    print(f"{label:<30} {tokens / decode:9.1f} tok/s  {decode / max(steps, 1) * 1e3:7.2f} ms/step  "
-          f"{steps} steps")
-    return results, decode
+    steps = max(max(r.steps for r in results), 1)
+    spread = " ".join(f"{t / steps * 1e3:.2f}" for t in seconds)
+    print(f"{label:<30} {tokens / min(seconds):9.1f} tok/s  {min(seconds) / steps * 1e3:7.2f} ms/step  "
+          f"{steps} steps  (runs: {spread} ms/step)")
+    return Timing(results, seconds)
+
+
+def same_tokens(a: list[Result], b: list[Result]) -> bool:
+    return all(x.token_ids == y.token_ids for x, y in zip(a, b))
 
 
 def mismatch_rate(a: list[Result], b: list[Result]) -> float:
@@ -115,41 +142,45 @@ def main(argv: list[str]) -> None:
     kw = dict(stop_tokens=())
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, {_CONFIG.value} model, {_DTYPE.value}, "
           f"recipe {_RECIPE.value} ({target.kernels} matrices), {len(prompts)} prompts x {_MAX_NEW.value} tokens")
-    ar_exact, t_ar_exact = timed("plain, exact program", lambda n: generate(target, prompts, drafter=drafter,
+    ar_exact = timed("plain, exact program", lambda n: generate(target, prompts, drafter=drafter,
                                                                                mode="ar", max_new_tokens=n, **kw))
-    ar_fast, t_ar_fast = timed("plain, width-1 program", lambda n: generate(target, prompts, drafter=drafter,
+    ar_fast = timed("plain, width-1 program", lambda n: generate(target, prompts, drafter=drafter,
                                                                                mode="ar", verify="fast",
                                                                                max_new_tokens=n, **kw))
     width = int(_WIDTH.value) if _WIDTH.value.isdigit() else _WIDTH.value
-    oracle = oracle_for(prompts, ar_exact, cfg.vocab_size, wrong_rate=1 - _ACCEPT.value, seed=1,
+    oracle = oracle_for(prompts, ar_exact.results, cfg.vocab_size, wrong_rate=1 - _ACCEPT.value, seed=1,
                         capture_layers=drafter.capture_layers)
-    spec_exact, t_spec_exact = timed("spec oracle, exact", lambda n: generate(target, prompts, drafter=oracle,
+    spec_exact = timed("spec oracle, exact", lambda n: generate(target, prompts, drafter=oracle,
                                                                              width=width, max_new_tokens=n, **kw))
-    oracle_fast = oracle_for(prompts, ar_fast, cfg.vocab_size, wrong_rate=1 - _ACCEPT.value, seed=1,
+    oracle_fast = oracle_for(prompts, ar_fast.results, cfg.vocab_size, wrong_rate=1 - _ACCEPT.value, seed=1,
                              capture_layers=drafter.capture_layers)
-    spec_fast, t_spec_fast = timed("spec oracle, fast", lambda n: generate(target, prompts, drafter=oracle_fast,
+    spec_fast = timed("spec oracle, fast", lambda n: generate(target, prompts, drafter=oracle_fast,
                                                                           width=width, verify="fast",
                                                                           max_new_tokens=n, **kw))
-    dspark, t_dspark = timed("spec DSpark (random), exact", lambda n: generate(target, prompts, drafter=drafter,
+    dspark = timed("spec DSpark (random), exact", lambda n: generate(target, prompts, drafter=drafter,
                                                                                max_new_tokens=n, **kw))
     bw = copy_bandwidth(256, 10)
-    tokens = sum(len(r.token_ids) for r in ar_fast)
-    steps_ar = max(r.steps for r in ar_fast)
+    tokens = sum(len(r.token_ids) for r in ar_fast.results)
+    steps_ar = max(r.steps for r in ar_fast.results)
     roofline_step = step_weight_bytes(target) / bw
+    timings = dict(plain_exact=ar_exact, plain_fast=ar_fast, spec_exact=spec_exact, spec_fast=spec_fast,
+                   dspark_exact=dspark)
     summary = dict(
         device=jax.devices()[0].device_kind, jax=jax.__version__, config=_CONFIG.value, dtype=_DTYPE.value,
-        recipe=_RECIPE.value, kernels=target.kernels,
+        recipe=_RECIPE.value, kernels=target.kernels, reps=_REPS.value,
         prompts=len(prompts), max_new_tokens=_MAX_NEW.value, acceptance_target=_ACCEPT.value, q=_WIDTH.value,
         copy_bandwidth_gbs=bw / 1e9, step_weight_mb=step_weight_bytes(target) / 1e6,
-        exact_spec_equals_plain=all(a.token_ids == b.token_ids for a, b in zip(spec_exact, ar_exact)),
-        dspark_exact_equals_plain=all(a.token_ids == b.token_ids for a, b in zip(dspark, ar_exact)),
-        fast_spec_vs_fast_plain_mismatch=mismatch_rate(spec_fast, ar_fast),
-        fast_plain_vs_exact_plain_mismatch=mismatch_rate(ar_fast, ar_exact),
-        oracle_matched_per_offered=sum(r.matched for r in spec_exact) / max(1, sum(r.offered for r in spec_exact)),
-        mean_accepted_tokens_per_step=sum(r.matched + r.steps for r in spec_exact) / sum(r.steps for r in spec_exact),
-        tok_s=dict(plain_exact=tokens / t_ar_exact, plain_fast=tokens / t_ar_fast, spec_exact=tokens / t_spec_exact,
-                   spec_fast=tokens / t_spec_fast, dspark_exact=tokens / t_dspark),
-        plain_fast_step_ms=t_ar_fast / steps_ar * 1e3, roofline_step_ms=roofline_step * 1e3,
+        exact_spec_equals_plain=same_tokens(spec_exact.results, ar_exact.results),
+        dspark_exact_equals_plain=same_tokens(dspark.results, ar_exact.results),
+        fast_spec_vs_fast_plain_mismatch=mismatch_rate(spec_fast.results, ar_fast.results),
+        fast_plain_vs_exact_plain_mismatch=mismatch_rate(ar_fast.results, ar_exact.results),
+        oracle_matched_per_offered=(sum(r.matched for r in spec_exact.results)
+                                    / max(1, sum(r.offered for r in spec_exact.results))),
+        mean_accepted_tokens_per_step=(sum(r.matched + r.steps for r in spec_exact.results)
+                                       / sum(r.steps for r in spec_exact.results)),
+        tok_s={name: tokens / t.best for name, t in timings.items()},
+        decode_seconds={name: t.seconds for name, t in timings.items()},
+        plain_fast_step_ms=ar_fast.best / steps_ar * 1e3, roofline_step_ms=roofline_step * 1e3,
     )
     summary["spec_exact_over_plain_fast"] = summary["tok_s"]["spec_exact"] / summary["tok_s"]["plain_fast"]
     summary["spec_fast_over_plain_fast"] = summary["tok_s"]["spec_fast"] / summary["tok_s"]["plain_fast"]

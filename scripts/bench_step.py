@@ -33,7 +33,7 @@ from dsparkjax.target_api import compiled_step
 FLAGS = flags.FLAGS
 flags.DEFINE_list("widths", ["1", "6"], "step widths q to time")
 flags.DEFINE_integer("steps", 32, "steps per timed run")
-flags.DEFINE_integer("reps", 5, "timed runs per width (the fastest is reported)")
+# --reps (timed runs per width; the fastest is reported) is bench_generate's flag, defined with bench_model's.
 flags.DEFINE_integer("context", 256, "state capacity in tokens (the cache sizes)")
 flags.DEFINE_bool("trace", False, "also run each width once under the profiler and summarise the trace")
 
