@@ -1,8 +1,9 @@
-"""Where plain decoding's time goes: a profiler trace of `generate` on the benchmark model, summarised.
+"""Where generation's time goes: a profiler trace of `generate` on the benchmark model, summarised.
 
     python scripts/profile_generate.py --config wide --dtype bfloat16 --prompts 64 --max_new_tokens 8
 
-Runs plain width-1 decoding (`mode="ar"`, `verify="fast"`) once to compile, then again under
+Runs one decoding mode (`--mode`: plain width-1 decoding by default, or plain exact decoding, or exact
+speculative decoding with the benchmark's random DSpark drafter) once to compile, then again under
 `jax.profiler.trace`, and prints for each device plane of the trace (read back with
 `jax.profiler.ProfileData`) the events, the time they were busy against the span they cover, and the
 most expensive kernels by total time with their counts. A step that launches many small kernels shows as
@@ -26,6 +27,10 @@ from dsparkjax.spec.generate import generate
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("top", 20, "kernels listed per plane")
+# generate's arguments for each mode
+MODES = {"plain_fast": dict(mode="ar", verify="fast"), "plain_exact": dict(mode="ar", verify="exact"),
+         "dspark_exact": dict(mode="spec", verify="exact")}
+flags.DEFINE_enum("mode", "plain_fast", list(MODES), "decoding mode to trace")
 
 
 def line_gaps(line) -> str:
@@ -67,8 +72,8 @@ def main(argv: list[str]) -> None:
     target, drafter, prompts = bench_model()
 
     def run() -> list:
-        return generate(target, prompts, drafter=drafter, mode="ar", verify="fast",
-                        max_new_tokens=FLAGS.max_new_tokens, stop_tokens=())
+        return generate(target, prompts, drafter=drafter, max_new_tokens=FLAGS.max_new_tokens, stop_tokens=(),
+                        **MODES[FLAGS.mode])
 
     run()
     folder = tempfile.mkdtemp(prefix="dsparkjax-trace-")
@@ -76,7 +81,7 @@ def main(argv: list[str]) -> None:
     with jax.profiler.trace(folder):
         results = run()
     wall = time.perf_counter() - start
-    print(f"device: {jax.devices()[0].device_kind}, {len(prompts)} prompts x {FLAGS.max_new_tokens} tokens, "
+    print(f"device: {jax.devices()[0].device_kind}, {FLAGS.mode}, {len(prompts)} prompts x {FLAGS.max_new_tokens} tokens, "
           f"{max(r.steps for r in results)} decode steps, {wall * 1e3:.1f} ms under the profiler (prefill included)")
     (path,) = glob.glob(f"{folder}/**/*.xplane.pb", recursive=True)
     print("\n".join(summarise(path, FLAGS.top)))

@@ -143,12 +143,14 @@ def test_profile_kernel_table_needs_a_copy_bandwidth(tmp_path):
 
 
 
-def test_profile_generate_summarises_its_trace():
-    """The trace of plain decoding is read back and summarised per plane (on CPU: the host plane)."""
+@pytest.mark.parametrize("mode, steps", [("plain_fast", "2"), ("dspark_exact", "[12]")])
+def test_profile_generate_summarises_its_trace(mode, steps):
+    """The trace of plain or speculative decoding is read back and summarised per plane (on CPU: the host
+    plane)."""
     proc = run_script("profile_generate.py", "--config=tiny", "--dtype=float32", "--prompts=2",
-                      "--max_new_tokens=3", "--top=2")
+                      "--max_new_tokens=3", "--top=2", f"--mode={mode}")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert re.search(r"2 prompts x 3 tokens, 2 decode steps", proc.stdout), proc.stdout
+    assert re.search(rf"{mode}, 2 prompts x 3 tokens, {steps} decode steps", proc.stdout), proc.stdout
     planes = re.findall(r"^== (\S+): (\d+) events", proc.stdout, re.M)
     assert planes and all(int(n) > 0 for _, n in planes), proc.stdout
     assert re.search(r"^   line .+: \d+ events, [\d.]+ ms busy, gaps median [\d.]+ us", proc.stdout, re.M), proc.stdout
