@@ -420,6 +420,11 @@ struct SlotShares {
   }
 };
 
+// Share `share` of `shares` (CTAs, in order) of zeroing an output row of N floats: an invalid id's row.
+__device__ __forceinline__ void zero_row_share(float* row, int64_t N, int share, int shares) {
+  for (int64_t i = (int64_t)share * blockDim.x + threadIdx.x; i < N; i += (int64_t)shares * blockDim.x) row[i] = 0.0f;
+}
+
 // MoE: CTA c of slot p as one of the workers of p's expert e = ids[p]: every CTA of every slot choosing e is one,
 // numbered in CTA order; `index` of them come before c, `count` in all. Every thread computes it, 32 slots per
 // step: the CTAs of the choosing slots are `base` per slot plus one per slot below `rem`, two ballots' counts.
@@ -475,11 +480,8 @@ __global__ void __launch_bounds__(W * kLanes, kWarpsPerSm / W)
   int32_t e;
   ExpertWorker wk;
   if (expert_ctas > 0) {
-    for (int q = c; q < P; q += (int)gridDim.x) {
-      const int32_t id = ids[q];
-      if (id < 0 || id >= E)
-        for (int64_t i = threadIdx.x; i < a.N; i += blockDim.x) a.y[(int64_t)q * a.N + i] = 0.0f;
-    }
+    for (int q = c; q < P; q += (int)gridDim.x)
+      if (ids[q] < 0 || ids[q] >= E) zero_row_share(a.y + (int64_t)q * a.N, a.N, 0, 1);
     e = c / expert_ctas;
     if (!expert_is_chosen(ids, e, P)) return;
     wk = {c % expert_ctas, expert_ctas};
@@ -488,9 +490,7 @@ __global__ void __launch_bounds__(W * kLanes, kWarpsPerSm / W)
     const int p = sh.slot_of(c);
     e = ids[p];
     if (e < 0 || e >= E) {  // an invalid id: zero rows, shared by the slot's CTAs
-      for (int64_t i = (int64_t)(c - sh.first(p)) * blockDim.x + threadIdx.x; i < a.N;
-           i += (int64_t)sh.count(p) * blockDim.x)
-        a.y[(int64_t)p * a.N + i] = 0.0f;
+      zero_row_share(a.y + (int64_t)p * a.N, a.N, c - sh.first(p), sh.count(p));
       return;
     }
     wk = expert_worker(ids, e, P, sh, p, c);
