@@ -79,6 +79,10 @@ def step_weight_bytes(target: Target) -> int:
     return total - embed - experts + experts * cfg.n_active_experts // cfg.n_routed_experts
 
 
+def same_tokens(a: list[Result], b: list[Result]) -> bool:
+    return all(x.token_ids == y.token_ids for x, y in zip(a, b))
+
+
 @dataclasses.dataclass(frozen=True)
 class Timing:
     """A configuration's results and its decode seconds over the timed runs (generate's own clock: from the
@@ -99,7 +103,7 @@ def timed(label: str, fn) -> Timing:
     seconds, results = [], None
     for _ in range(_REPS.value):
         run = fn(_MAX_NEW.value)
-        if results is not None and [r.token_ids for r in run] != [r.token_ids for r in results]:
+        if results is not None and not same_tokens(run, results):
             raise RuntimeError(f"{label}: two runs of the same generation gave different tokens")
         results = run
         seconds.append(max(len(r.token_ids) / r.tok_per_s for r in run))
@@ -109,10 +113,6 @@ def timed(label: str, fn) -> Timing:
     print(f"{label:<30} {tokens / min(seconds):9.1f} tok/s  {min(seconds) / steps * 1e3:7.2f} ms/step  "
           f"{steps} steps  (runs: {spread} ms/step)")
     return Timing(results, seconds)
-
-
-def same_tokens(a: list[Result], b: list[Result]) -> bool:
-    return all(x.token_ids == y.token_ids for x, y in zip(a, b))
 
 
 def mismatch_rate(a: list[Result], b: list[Result]) -> float:

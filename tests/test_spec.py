@@ -36,7 +36,7 @@ from dsparkjax.model.layers import rms_norm
 from dsparkjax.spec.generate import generate
 from dsparkjax.spec.oracle import oracle_for
 from dsparkjax.spec.proposer import load_drafter
-from dsparkjax.spec.width import WidthPolicy, accepted_candidates
+from dsparkjax.spec.width import WidthPolicy, accepted_candidates, ewma_update
 from dsparkjax.target_api import load_target
 
 VOCAB = 512
@@ -395,7 +395,7 @@ def test_ewma_and_fixed_width_policies():
     policy = WidthPolicy("ewma", max_q=6)
     ewma = jnp.full((2,), policy.ewma_init)
     assert np.asarray(policy.choose(jnp.ones((2, 5)), ewma)).tolist() == [3, 3]  # int(1.5) + 2
-    ewma = policy.update(ewma, jnp.asarray([4, 0]))
+    ewma = ewma_update(ewma, jnp.asarray([4, 0]), policy.ewma_decay)
     np.testing.assert_allclose(np.asarray(ewma), [0.7 * 1.5 + 1.2, 0.7 * 1.5])
     assert np.asarray(policy.choose(jnp.ones((2, 5)), ewma)).tolist() == [4, 3]
     assert np.asarray(WidthPolicy("fixed", fixed_q=5).choose(jnp.ones((1, 5)), ewma[:1])).tolist() == [5]

@@ -56,6 +56,15 @@ class DecodeOutputs:
     positions: jax.Array  # int32 [B, W], the rows' positions
 
 
+def pick_token(logits: jax.Array, rows: jax.Array, temperature: jax.Array, key: jax.Array, sample: bool) -> jax.Array:
+    """The next token int32 `[B]` after row `rows[b]` (int32 `[B]`) of logits float32 `[B, W, V]`: the argmax,
+    or when `sample` a draw at `temperature` with `key`."""
+    picked = jnp.take_along_axis(logits, rows[:, None, None], axis=1)[:, 0]
+    if sample:
+        return jax.random.categorical(key, picked / temperature).astype(jnp.int32)
+    return jnp.argmax(picked, axis=-1).astype(jnp.int32)
+
+
 def outcome_of(logits: jax.Array, candidates: jax.Array, widths: jax.Array) -> StepOutcome:
     """Greedy acceptance of candidates int32 `[B, W - 1]` against logits float32 `[B, W, V]`, counting the
     first `widths` int32 `[B]` rows of each sequence."""
@@ -77,6 +86,9 @@ def decode_program(cfg: TargetConfig, options: StepOptions) -> AotFunction:
     `[B]` (rows that count, 1 for plain decoding), active bool `[B]` (sequences still running: the others
     commit nothing), ewma float32 `[B]`, temperature float32 `[]` and a PRNG key (used when `sample`: plain
     decoding's next token is then sampled from row 0). Returns `DecodeOutputs`; `state` is donated.
+
+    The EWMA decay, not the whole WidthPolicy, is the static argument: runs whose policies differ only in
+    how they choose widths (the oracle's fixed q, the drafter's confidences) share one compiled target step.
     """
     model = TargetModel(cfg, options)
 
@@ -90,8 +102,7 @@ def decode_program(cfg: TargetConfig, options: StepOptions) -> AotFunction:
         outcome = outcome_of(logits, candidates, widths)
         if sample:
             key, sub = jax.random.split(key)
-            bonus = jax.random.categorical(sub, logits[:, 0] / temperature).astype(jnp.int32)
-            outcome = outcome.replace(bonus=bonus)
+            outcome = outcome.replace(bonus=pick_token(logits, jnp.zeros_like(seeds), temperature, sub, True))
         state = commit(state, jnp.where(active, outcome.matched + 1, 0))
         return DecodeOutputs(state, outcome, ewma_update(ewma, outcome.matched, ewma_decay), key, features, positions)
 

@@ -30,7 +30,7 @@ import numpy as np
 from dsparkjax.aot import AotFunction
 from dsparkjax.errors import DsparkError, TokenIdError
 from dsparkjax.model.state import commit, init_state
-from dsparkjax.spec.decode import StepOutcome, decode_program
+from dsparkjax.spec.decode import StepOutcome, decode_program, pick_token
 from dsparkjax.spec.proposer import Proposer
 from dsparkjax.spec.width import WidthPolicy
 from dsparkjax.target_api import Target, compiled_step
@@ -71,13 +71,7 @@ def _seed_padding(seeds: jax.Array, block: int) -> jax.Array:
     return jnp.broadcast_to(seeds[:, None], (seeds.shape[0], block))
 
 
-@functools.partial(jax.jit, static_argnames=("sample",))
-def _pick(logits: jax.Array, rows: jax.Array, temperature: jax.Array, key: jax.Array, sample: bool) -> jax.Array:
-    """The next token after row `rows[b]` of each sequence: argmax, or a sample at `temperature`."""
-    picked = jnp.take_along_axis(logits, rows[:, None, None], axis=1)[:, 0]
-    if sample:
-        return jax.random.categorical(key, picked / temperature).astype(jnp.int32)
-    return jnp.argmax(picked, axis=-1).astype(jnp.int32)
+_pick = jax.jit(pick_token, static_argnames=("sample",))  # prefill's first token of each prompt
 
 
 class _Sequence:
@@ -269,20 +263,18 @@ def generate(
     def process(outputs: tuple[StepOutcome, jax.Array]) -> None:
         """Read one step's outcome back and emit its tokens."""
         outcome, host_widths = jax.device_get(outputs)
-        host_candidates, host_matched, host_bonus, host_bad = (outcome.candidates, outcome.matched, outcome.bonus,
-                                                               outcome.bad)
-        if host_bad != -1:  # hash layers index tid2eid by token: an out-of-range draft must never be emitted
-            raise TokenIdError(f"the proposer drafted token id {int(host_bad)}, outside the vocabulary and hash "
+        if outcome.bad != -1:  # hash layers index tid2eid by token: an out-of-range draft must never be emitted
+            raise TokenIdError(f"the proposer drafted token id {int(outcome.bad)}, outside the vocabulary and hash "
                                f"tables [0, {cfg.vocab_size}) of {target.path}")
         for s in sequences:
             if s.done:
                 continue
             b = s.index
-            m = int(host_matched[b])
+            m = int(outcome.matched[b])
             s.result.steps += 1
             s.result.matched += m
             s.result.offered += int(host_widths[b]) - 1
-            emitted = s.emit([*host_candidates[b, :m], host_bonus[b]])
+            emitted = s.emit([*outcome.candidates[b, :m], outcome.bonus[b]])
             if bar is not None:
                 bar.update(emitted)
 

@@ -42,13 +42,10 @@ class WidthPolicy:
             q = q + ((q == 3) & (survive[:, 2] >= self.p3_threshold)).astype(jnp.int32)
         return jnp.clip(q, 1, self.max_q)
 
-    def update(self, ewma: jax.Array, matched: jax.Array) -> jax.Array:
-        """The EWMA after a step that matched `matched` candidates (float32 `[B]`)."""
-        return ewma_update(ewma, matched, self.ewma_decay)
-
 
 def ewma_update(ewma: jax.Array, matched: jax.Array, decay: float) -> jax.Array:
-    """ewma float32 `[B]` ← decay·ewma + (1 − decay)·matched (int32 `[B]`)."""
+    """The acceptance EWMA after a step: ewma float32 `[B]` ← decay·ewma + (1 − decay)·matched (int32 `[B]`),
+    with a WidthPolicy's `ewma_decay`."""
     return decay * ewma + (1.0 - decay) * matched.astype(jnp.float32)
 
 
