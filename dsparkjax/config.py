@@ -16,7 +16,7 @@ from typing import Any, Callable, Literal, Mapping
 import numpy as np
 from gguf import GGUFValueType
 
-from dsparkjax.errors import GGUFContractError
+from dsparkjax.errors import DsparkError, GGUFContractError
 
 TARGET_ARCH = "deepseek4"
 DRAFTER_ARCH = "deepseek4-dflash-draft"
@@ -401,9 +401,11 @@ def metadata_items(cfg: TargetConfig | DrafterConfig) -> list[tuple[str, Any, GG
 # Presets.
 
 
-def deepseek_v4_flash() -> TargetConfig:
-    """The real DeepSeek-V4-Flash (`ds4_arch.md` §1.1, §1.2)."""
-    layers = 43
+def deepseek_v4_flash(layers: int = 43) -> TargetConfig:
+    """The real DeepSeek-V4-Flash (`ds4_arch.md` §1.1, §1.2); fewer `layers` keep its first ones (the
+    benchmarks' DS4-sized models)."""
+    if not 3 <= layers <= 43:
+        raise DsparkError(f"DeepSeek-V4-Flash has 43 layers, the first 3 hash-routed; got layers={layers}")
     return TargetConfig(
         vocab_size=129280, hidden_size=4096, num_layers=layers, num_heads=64, head_dim=512, rope_dim=64,
         q_lora_rank=1024, o_groups=8, o_lora_rank=1024, sliding_window=128,
@@ -414,13 +416,13 @@ def deepseek_v4_flash() -> TargetConfig:
     )
 
 
-def dspark_flash() -> DrafterConfig:
-    """The DeepSeek-V4-Flash DSpark drafter (`dspark_reference.md`)."""
+def dspark_flash(target_layers: int = 43) -> DrafterConfig:
+    """The DeepSeek-V4-Flash DSpark drafter (`dspark_reference.md`), reading the last three of `target_layers`."""
     return DrafterConfig(
         num_stages=3, hidden_size=4096, vocab_size=129280, num_heads=64, head_dim=512, rope_dim=64,
         q_lora_rank=1024, o_groups=8, o_lora_rank=1024, n_routed_experts=256, n_active_experts=6,
-        moe_intermediate_size=2048, capture_layer_ids=(40, 41, 42), block_size=5, mask_token_id=128799,
-        markov_rank=256, confidence_dim=4096 + 256,
+        moe_intermediate_size=2048, capture_layer_ids=tuple(range(target_layers - 3, target_layers)), block_size=5,
+        mask_token_id=128799, markov_rank=256, confidence_dim=4096 + 256,
     )
 
 

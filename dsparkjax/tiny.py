@@ -10,18 +10,23 @@ hash tables of distinct random experts per token.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
 from dsparkjax.config import DrafterConfig, TargetConfig, tiny_drafter, tiny_target
+from dsparkjax.formats import FLOAT_TYPES
 from dsparkjax.ggufio.contract import TensorSpec, drafter_tensor_specs, target_tensor_specs
-from dsparkjax.ggufio.writer import RECIPES, write_model_gguf
+from dsparkjax.ggufio.writer import RECIPES, RawTensor, recipe_type, write_model_gguf
+from dsparkjax.kernels import KERNEL_TYPES, dequantize, synthetic
 
-Params = dict[str, np.ndarray]
+Params = dict[str, np.ndarray | RawTensor]
 GENERATOR_VERSION = 1  # bump when the generated weights change
 
 
@@ -52,31 +57,65 @@ def _init_tensor(spec: TensorSpec, rng: np.random.Generator, hc_mult: int, n_exp
     return rng.normal(0.0, 2.0 / np.sqrt(fan_in), shape).astype(np.float32)
 
 
-def random_params(specs: list[TensorSpec], seed: int, hc_mult: int, n_experts: int) -> Params:
+def random_params(specs: list[TensorSpec], seed: int, hc_mult: int, n_experts: int, *,
+                  packed_recipe: str | None = None, drafter: bool = False) -> Params:
     """Random parameters for every tensor of a contract, optional ones included.
 
     The one exception is the confidence bias: DeepSeek's confidence head has none (`dspark_reference.md` §3).
+    With `packed_recipe`, the matrices that recipe stores quantized (`drafter`: the drafter's recipe) come
+    already encoded: random valid blocks (`random_packed_matrix`), so that models at DS4's own size are
+    written in seconds instead of quantized on the host.
     """
     rng = np.random.default_rng(seed)
-    return {s.name: _init_tensor(s, rng, hc_mult, n_experts) for s in specs
-            if s.name != "dflash.dspark.confidence.bias"}
+    key = jax.random.key(seed)
+    params: Params = {}
+    for i, s in enumerate(specs):
+        if s.name == "dflash.dspark.confidence.bias":
+            continue
+        ggml_type = recipe_type(packed_recipe, s, drafter=drafter) if packed_recipe else None
+        if ggml_type is not None and ggml_type in KERNEL_TYPES and ggml_type not in FLOAT_TYPES:
+            params[s.name] = random_packed_matrix(s, ggml_type, jax.random.fold_in(key, i))
+        else:
+            params[s.name] = _init_tensor(s, rng, hc_mult, n_experts)
+    return params
 
 
-def tiny_pair(seed: int = 0, *, target_cfg: TargetConfig | None = None,
-              drafter_cfg: DrafterConfig | None = None) -> tuple[TargetConfig, Params, DrafterConfig, Params]:
-    """Configs and random parameters of a tiny target and a drafter that fits it."""
+@functools.cache
+def _unit_std(ggml_type: int) -> float:
+    """The std of `synthetic.random_packed`'s weights of a type at scale 1 (measured on 64 rows of 4096)."""
+    sample = synthetic.random_packed(jax.random.key(0), ggml_type, (64,), 4096)
+    return float(jnp.std(dequantize(sample, ggml_type, 4096)))
+
+
+def random_packed_matrix(spec: TensorSpec, ggml_type: int, key: jax.Array) -> RawTensor:
+    """Random valid blocks of `ggml_type` for a matrix, scaled to the std `_init_tensor` gives projections
+    (2/sqrt(fan_in)), so activations keep the float-initialised model's magnitudes layer after layer."""
+    *rows, k = spec.shape
+    scale = 2.0 / np.sqrt(k) / _unit_std(ggml_type)
+    data = synthetic.random_packed(key, ggml_type, tuple(rows), k, float(scale))
+    return RawTensor(spec.name, ggml_type, spec.shape, np.asarray(data))
+
+
+def tiny_pair(seed: int = 0, *, target_cfg: TargetConfig | None = None, drafter_cfg: DrafterConfig | None = None,
+              packed_recipe: str | None = None) -> tuple[TargetConfig, Params, DrafterConfig, Params]:
+    """Configs and random parameters of a tiny target and a drafter that fits it (`packed_recipe`: see
+    `random_params`)."""
     target_cfg = target_cfg or tiny_target()
     drafter_cfg = drafter_cfg or tiny_drafter(target_cfg)
-    target = random_params(target_tensor_specs(target_cfg), seed, target_cfg.hc_mult, target_cfg.n_routed_experts)
+    target = random_params(target_tensor_specs(target_cfg), seed, target_cfg.hc_mult, target_cfg.n_routed_experts,
+                           packed_recipe=packed_recipe)
     draft = random_params(drafter_tensor_specs(drafter_cfg), seed + 1, drafter_cfg.hc_mult,
-                          drafter_cfg.n_routed_experts)
+                          drafter_cfg.n_routed_experts, packed_recipe=packed_recipe, drafter=True)
     return target_cfg, target, drafter_cfg, draft
 
 
 def write_tiny_pair(out_dir: str, *, seed: int = 0, recipe: str = "f32", target_cfg: TargetConfig | None = None,
-                    drafter_cfg: DrafterConfig | None = None, tokenizer: Any = "default") -> tuple[str, str]:
-    """Write `out_dir/target.gguf` and `out_dir/draft.gguf`; returns their paths."""
-    target_cfg, target, drafter_cfg, draft = tiny_pair(seed, target_cfg=target_cfg, drafter_cfg=drafter_cfg)
+                    drafter_cfg: DrafterConfig | None = None, tokenizer: Any = "default",
+                    random_blocks: bool = False) -> tuple[str, str]:
+    """Write `out_dir/target.gguf` and `out_dir/draft.gguf`; returns their paths. random_blocks: the recipe's
+    quantized matrices as random valid blocks (`random_params`' packed_recipe) instead of quantized floats."""
+    target_cfg, target, drafter_cfg, draft = tiny_pair(seed, target_cfg=target_cfg, drafter_cfg=drafter_cfg,
+                                                       packed_recipe=recipe if random_blocks else None)
     if tokenizer == "default":
         from dsparkjax.tokenizer import build_tiny_tokenizer
 

@@ -2,9 +2,10 @@
 
     python scripts/bench_generate.py --config wide --dtype bfloat16 --prompts 64 --output bench.json
 
-Builds a random model (`tiny`, or `wide`: a DS4-shaped model with wider dims), writes it as GGUF (float32,
-or quantized with `--recipe`: `published` is DS4's own types, run on the packed kernels as a real file is)
-and loads it back (`--kernels dequantize` runs a quantized file on dense weights instead: the packed kernels'
+Builds a random model (`tiny`; `wide`: a DS4-shaped model with wider dims; `ds4`: DeepSeek-V4-Flash's own dims
+and `--layers` of its 43 layers, with its full-size drafter, matrices written as random packed blocks), writes
+it as GGUF (float32, or quantized with `--recipe`: `published` is DS4's own types, run on the packed kernels
+as a real file is) and loads it back (`--kernels dequantize` runs a quantized file on dense weights instead: the packed kernels'
 A/B on the same numbers), then for the same random prompts measures:
 - plain decoding through the exact program (width 1 + block) and through the width-1 program (fast);
 - speculative decoding with an oracle proposer at a chosen acceptance rate (the drafter's quality is not
@@ -20,24 +21,25 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
+import shutil
 import tempfile
 
 import jax
 import numpy as np
 from absl import app, flags, logging
 
-from dsparkjax.config import TargetConfig, tiny_drafter, tiny_target
-from dsparkjax.ggufio import write_model_gguf
+from dsparkjax.config import DrafterConfig, TargetConfig, deepseek_v4_flash, dspark_flash, tiny_drafter, tiny_target
 from dsparkjax.ggufio.writer import RECIPES
 from dsparkjax.spec.generate import Result, generate
 from dsparkjax.spec.oracle import oracle_for
 from dsparkjax.spec.proposer import Drafter, load_drafter
 from dsparkjax.target_api import KERNEL_CHOICES, Target, load_target
 from dsparkjax.timing import copy_bandwidth
-from dsparkjax.tiny import tiny_pair
+from dsparkjax.tiny import write_tiny_pair
 
-_CONFIG = flags.DEFINE_enum("config", "wide", ["tiny", "wide"], "Random model shape.")
+_CONFIG = flags.DEFINE_enum("config", "wide", ["tiny", "wide", "ds4"], "Random model shape (ds4: DS4's own "
+                            "dims, --layers layers, --recipe published).")
+_LAYERS = flags.DEFINE_integer("layers", 8, "--config ds4: how many of DS4's 43 layers (the first ones).")
 _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["float32", "bfloat16"], "Compute dtype.")
 _RECIPE = flags.DEFINE_enum("recipe", "f32", list(RECIPES), "Quant recipe of the written GGUFs (f32: dense "
                             "weights; others keep the quantized matrices packed on the FFI kernels).")
@@ -119,18 +121,32 @@ def mismatch_rate(a: list[Result], b: list[Result]) -> float:
     return float(np.mean([x.token_ids != y.token_ids for x, y in zip(a, b)]))
 
 
+def bench_configs() -> tuple[TargetConfig, DrafterConfig]:
+    """The flags' target and drafter configs."""
+    if _CONFIG.value == "ds4":
+        if _RECIPE.value != "published":
+            raise app.UsageError("--config ds4 writes its matrices as random blocks of DS4's published types: "
+                                 f"use --recipe published, not {_RECIPE.value}")
+        return deepseek_v4_flash(_LAYERS.value), dspark_flash(_LAYERS.value)
+    cfg = wide_target() if _CONFIG.value == "wide" else tiny_target()
+    return cfg, tiny_drafter(cfg)
+
+
 def bench_model() -> tuple[Target, Drafter, list[list[int]]]:
     """The flags' random model written as GGUF and loaded back, its drafter, and the random prompts (8-64
-    tokens each, seeded): what every generation measurement runs on."""
-    cfg = wide_target() if _CONFIG.value == "wide" else tiny_target()
-    tcfg, tparams, dcfg, dparams = tiny_pair(0, target_cfg=cfg, drafter_cfg=tiny_drafter(cfg))
+    tokens each, seeded): what every generation measurement runs on. The files are deleted once loaded
+    (DS4-sized ones are tens of GB)."""
+    tcfg, dcfg = bench_configs()
     folder = tempfile.mkdtemp(prefix="dsparkjax-bench-")
-    write_model_gguf(os.path.join(folder, "t.gguf"), tcfg, tparams, recipe=_RECIPE.value)
-    write_model_gguf(os.path.join(folder, "d.gguf"), dcfg, dparams, recipe=_RECIPE.value)
-    target = load_target(os.path.join(folder, "t.gguf"), dtype=_DTYPE.value, kernels=_KERNELS.value)
-    drafter = load_drafter(os.path.join(folder, "d.gguf"), target)
+    try:
+        target_path, draft_path = write_tiny_pair(folder, recipe=_RECIPE.value, target_cfg=tcfg, drafter_cfg=dcfg,
+                                                  tokenizer=None, random_blocks=_CONFIG.value == "ds4")
+        target = load_target(target_path, dtype=_DTYPE.value, kernels=_KERNELS.value)
+        drafter = load_drafter(draft_path, target)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, cfg.vocab_size, int(rng.integers(8, 65))).tolist() for _ in range(_PROMPTS.value)]
+    prompts = [rng.integers(0, tcfg.vocab_size, int(rng.integers(8, 65))).tolist() for _ in range(_PROMPTS.value)]
     return target, drafter, prompts
 
 

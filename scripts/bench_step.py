@@ -3,8 +3,8 @@
     python scripts/bench_step.py --config wide --dtype bfloat16 --recipe published --prompts 64 --widths 1,6
     python scripts/bench_step.py --recipe published --widths 1 --trace
 
-Builds bench_generate.py's model (its flags: `--config`, `--dtype`, `--recipe`, `--kernels`; `--prompts` is
-the batch), then for each width q runs the jitted step `--steps` times back to back, the state donated and
+Builds bench_generate.py's model (its flags: `--config`, `--layers`, `--dtype`, `--recipe`, `--kernels`;
+`--prompts` is the batch), then for each width q runs the jitted step `--steps` times back to back, the state donated and
 threaded through (the tokens fixed, nothing committed, so every call does the same work), timed from the
 first call to the last result, the fastest of `--reps`. That is the device program's cost plus jit dispatch:
 generation's ms/step (bench_generate.py) adds its host loop to it (accept, commit, the next tokens). With

@@ -7,7 +7,8 @@
 # dsparkjax/_lib (built here with `DSPARKJAX_CUDA=ON`, sm_90) skip the 2-minute build on the device. The whole suite takes
 # about 9-10 minutes (a device call's limit is 10): pass section names to run fewer, e.g.
 #   bash scripts/device_suite.sh kernels generate        (the build runs unless plugins are carried)
-# Not run by default: `step` (the compiled generation step alone, widths 1 and 6, with its trace: where a step's
+# Not run by default: `ds4` (DeepSeek-V4-Flash's own dims with 8 of its layers: the step at widths 1-6 at batch 1
+# and 8, and generation at batch 1), `step` (the compiled generation step alone, widths 1 and 6, with its trace: where a step's
 # device time goes), `hc` (the mHC custom calls' time per call, outputs saved for comparing builds), `durations` (every kernel benchmark call's kernel time alone, under Nsight Compute),
 # `profile` (one call of each of two kernels in depth, with each pipe's utilisation) and `routes` (the packed
 # kernel against the model's dense copy on XLA's GEMM at small and large row counts: what sets GEMM_MIN_ROWS in
@@ -51,6 +52,18 @@ echo "== compiled step alone (wide model, published recipe), widths 1 and 6, tra
 XLA_FLAGS= python3 scripts/bench_step.py --config wide --dtype bfloat16 --recipe published --prompts 64 \
   --widths 1,6 --steps 32 --reps 5 --trace --top 25 > "$OUT/step.txt" 2>&1
 grep -E "^width|^== |^   line" "$OUT/step.txt"
+fi
+if want ds4; then  # about eight minutes: DS4's own dims, its first 8 layers, batch 1 and 8
+echo "== DS4-sized model (8 of 43 layers, random packed blocks, published recipe): the step by width, generation"
+for b in 1 8; do
+  XLA_FLAGS= python3 scripts/bench_step.py --config ds4 --layers 8 --dtype bfloat16 --recipe published \
+    --prompts $b --widths 1,2,3,4,5,6 --steps 16 --reps 3 > "$OUT/ds4_step_b$b.txt" 2>&1
+  grep -E "^device|^width|Error" "$OUT/ds4_step_b$b.txt"
+done
+XLA_FLAGS= python3 scripts/bench_generate.py --config ds4 --layers 8 --dtype bfloat16 --recipe published \
+  --prompts 1 --max_new_tokens 32 --q 4 --acceptance 0.7 --reps 3 --output "$OUT/ds4_generate_b1.json" \
+  > "$OUT/ds4_generate_b1.log" 2>&1
+grep -v '^ ' "$OUT/ds4_generate_b1.log" | tail -9
 fi
 if want hc; then  # under a minute; compare two builds with bench_hc.py --compare=A.npz,B.npz
 echo "== mHC custom calls"

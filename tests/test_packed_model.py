@@ -17,7 +17,10 @@ import numpy as np
 import pytest
 
 from dsparkjax import kernels
+from dsparkjax.errors import DsparkError
 from dsparkjax.formats import GGMLType
+from dsparkjax.ggufio.contract import target_tensor_specs
+from dsparkjax.ggufio.writer import RawTensor, write_model_gguf
 from dsparkjax.kernels import synthetic
 from dsparkjax.model import weights
 from dsparkjax.model.weights import PackedWeight
@@ -26,7 +29,7 @@ from dsparkjax.spec.generate import generate
 from dsparkjax.spec.oracle import oracle_for
 from dsparkjax.spec.proposer import load_drafter
 from dsparkjax.target_api import forward, load_target
-from dsparkjax.tiny import write_tiny_pair
+from dsparkjax.tiny import random_params, write_tiny_pair
 from model_helpers import recipe_configs
 
 needs_plugin = pytest.mark.skipif(not kernels.ffi.available(), reason="FFI plugin for this platform not built")
@@ -183,3 +186,43 @@ def test_loader_stacks_matrices_of_one_input_by_format(monkeypatch, tmp_path):
     tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 16))
     want, got = forward(dense, tokens), forward(mixed, tokens)
     assert np.abs(got - want).max() / np.abs(want).max() < 1e-4
+
+
+def test_random_blocks_write_a_packed_model_at_the_float_models_scale(tmp_path):
+    """`random_blocks` (how the DS4-sized benchmark model is made) writes the recipe's quantized matrices as
+    random valid blocks, deterministic per seed, at the projections' std 2/sqrt(K); the file loads packed and
+    its logits are finite."""
+    tcfg, dcfg = recipe_configs("published")
+    paths = [write_tiny_pair(str(tmp_path / name), recipe="published", tokenizer=None, target_cfg=tcfg,
+                             drafter_cfg=dcfg, random_blocks=True, seed=seed)
+             for name, seed in (("a", 0), ("b", 0), ("c", 1))]
+    a, b, c = ([open(p, "rb").read() for p in pair] for pair in paths)
+    assert a == b and a[0] != c[0] and a[1] != c[1]
+    quantized = write_tiny_pair(str(tmp_path / "q"), recipe="published", tokenizer=None, target_cfg=tcfg,
+                                drafter_cfg=dcfg)
+    assert open(quantized[0], "rb").read() != a[0]
+    target = load_target(paths[0][0], kernels="reference")
+    blk = target.params.blocks[-1]
+    for w in (blk.moe.gate_up.parts[0], blk.moe.down, blk.attn.wq_b, target.params.head):
+        assert isinstance(w, PackedWeight), type(w)
+        std = float(jnp.std(kernels.dequantize(w.data, w.ggml_type, w.in_features)))
+        assert 0.8 < std * np.sqrt(w.in_features) / 2 < 1.2, (w.ggml_type, std)
+    assert load_drafter(paths[0][1], target).params.stages[0].moe.down.ggml_type == int(GGMLType.Q2_K)
+    tokens = np.random.default_rng(1).integers(0, tcfg.vocab_size, (2, 8))
+    assert np.isfinite(forward(target, tokens)).all()
+
+
+def test_random_blocks_are_checked():
+    """Encoded parameters must be in the recipe's type; random blocks need whole blocks and fp16 scales."""
+    tcfg, _ = recipe_configs("published")
+    params = random_params(target_tensor_specs(tcfg), 0, tcfg.hc_mult, tcfg.n_routed_experts,
+                           packed_recipe="published")
+    name = "blk.0.attn_q_a.weight"
+    params[name] = RawTensor(name, int(GGMLType.IQ2_XXS), params[name].shape, params[name].data)
+    with pytest.raises(DsparkError, match=rf"{name} is encoded as {name} in IQ2_XXS; recipe 'published' stores it "
+                                          "as Q8_0"):
+        write_model_gguf(tempfile.mktemp(suffix=".gguf"), tcfg, params, recipe="published")
+    with pytest.raises(ValueError, match="not whole blocks of 256"):
+        synthetic.random_packed(jax.random.key(0), int(GGMLType.IQ2_XXS), (2,), 100)
+    with pytest.raises(ValueError, match="scale bytes are exponents"):
+        synthetic.random_packed(jax.random.key(0), int(GGMLType.Q4_0_ROCMFP4), (2,), 64, 0.5)

@@ -1,4 +1,5 @@
-"""The tiny target + drafter generator (dsparkjax.tiny): deterministic, a quick CLI, contract-valid files."""
+"""The tiny target + drafter generator (dsparkjax.tiny): deterministic, a quick CLI, contract-valid files; the DS4
+presets it writes at full size for the benchmarks."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
-from dsparkjax.config import tiny_drafter, tiny_target
+from dsparkjax.config import check_drafter_fits_target, deepseek_v4_flash, dspark_flash, tiny_drafter, tiny_target
+from dsparkjax.errors import DsparkError
 from dsparkjax.ggufio import open_drafter, open_target
 from dsparkjax.tiny import tiny_pair, write_tiny_pair
 
@@ -83,3 +86,18 @@ def test_cli_writes_the_same_pair_in_seconds(tiny_files, tmp_path):
         assert path.read_bytes() == Path(reference).read_bytes()
     _, tcfg = open_target(str(tmp_path / "target.gguf"))
     open_drafter(str(tmp_path / "draft.gguf"), tcfg)
+
+
+def test_ds4_presets_keep_the_first_layers():
+    """`deepseek_v4_flash(n)` is the real config's first n layers (the DS4-sized benchmark model) and
+    `dspark_flash(n)` the drafter that reads its last three; the full model is 43 layers of 3 hash-routed, 2 SWA,
+    then CSA and HCA in turn."""
+    full = deepseek_v4_flash()
+    assert full.num_layers == 43 and dspark_flash().capture_layer_ids == (40, 41, 42)
+    cut = deepseek_v4_flash(8)
+    assert [cut.layer_type(i) for i in range(8)] == [full.layer_type(i) for i in range(8)] == \
+        ["swa", "swa", "csa", "hca", "csa", "hca", "csa", "hca"]
+    assert cut.num_hash_layers == 3 and len(cut.swiglu_limit) == len(cut.swiglu_limit_shared) == 8
+    check_drafter_fits_target(dspark_flash(8), cut, "draft.gguf")
+    with pytest.raises(DsparkError, match="43 layers"):
+        deepseek_v4_flash(44)

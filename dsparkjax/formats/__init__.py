@@ -29,6 +29,7 @@ from dsparkjax.formats.rocm import (
 )
 from dsparkjax.formats.types import (
     DEQUANTIZABLE_TYPES,
+    FLOAT_TYPES,
     INTEGER_TYPES,
     ROCM_TYPES,
     WRITABLE_TYPES,
@@ -43,6 +44,7 @@ from dsparkjax.formats.types import ggml_type as _as_type
 
 __all__ = [
     "DEQUANTIZABLE_TYPES",
+    "FLOAT_TYPES",
     "FP2_LEVELS",
     "FP3_LEVELS",
     "FP4_LEVELS",

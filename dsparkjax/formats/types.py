@@ -111,6 +111,7 @@ DEQUANTIZABLE_TYPES: frozenset[GGMLType] = _GGUF_DEQUANTIZABLE | ROCM_TYPES
 
 # Integer tensor types: valid in a GGUF, but not weights that dequantize to float.
 INTEGER_TYPES: frozenset[GGMLType] = frozenset({GGMLType.I8, GGMLType.I16, GGMLType.I32, GGMLType.I64})
+FLOAT_TYPES: frozenset[GGMLType] = frozenset({GGMLType.F32, GGMLType.F16, GGMLType.BF16})  # dense, unquantized
 
 # Types `dsparkjax.formats.quantize` can write.
 WRITABLE_TYPES: frozenset[GGMLType] = frozenset(

@@ -21,28 +21,28 @@ from dsparkjax.config import (
     target_config_from_metadata,
 )
 from dsparkjax.errors import GGUFContractError
+from dsparkjax.formats import FLOAT_TYPES
 from dsparkjax.formats import GGMLType as T
 from dsparkjax.ggufio.reader import GGUFFile, TensorInfo
 
-_FLOAT = frozenset({T.F32, T.F16, T.BF16})
 _ROCM = frozenset({T.Q4_0_ROCMFP4, T.Q4_0_ROCMFP4_FAST, T.Q6_0_ROCMFPX, T.Q8_0_ROCMFPX, T.Q3_0_ROCMFPX,
                    T.Q2_0_ROCMFP2})
-_MATRIX = _FLOAT | {T.Q8_0, T.Q2_K, T.Q4_K, T.IQ2_XXS} | _ROCM
+_MATRIX = FLOAT_TYPES | {T.Q8_0, T.Q2_K, T.Q4_K, T.IQ2_XXS} | _ROCM
 
 # Family -> allowed ggml types. The families are also the unit of a quant recipe (writer.py).
 FAMILY_TYPES: dict[str, frozenset[int]] = {
-    "embedding": _FLOAT | {T.Q8_0},
+    "embedding": FLOAT_TYPES | {T.Q8_0},
     "output": _MATRIX,
     "attention": _MATRIX,
     "shared_expert": _MATRIX,
     "routed_expert": _MATRIX,
     "draft_fc": _MATRIX,
-    "hc": _FLOAT,
-    "compressor": _FLOAT,
-    "indexer": _FLOAT,
-    "router": _FLOAT,
-    "markov": _FLOAT | {T.Q8_0},
-    "confidence": _FLOAT,
+    "hc": FLOAT_TYPES,
+    "compressor": FLOAT_TYPES,
+    "indexer": FLOAT_TYPES,
+    "router": FLOAT_TYPES,
+    "markov": FLOAT_TYPES | {T.Q8_0},
+    "confidence": FLOAT_TYPES,
     "vector": frozenset({T.F32}),
     "hash_table": frozenset({T.I32}),
 }

@@ -106,13 +106,15 @@ def write_raw_gguf(path: str | os.PathLike[str], arch: str, metadata: Iterable[t
 
 
 def write_model_gguf(path: str | os.PathLike[str], cfg: TargetConfig | DrafterConfig,
-                     params: Mapping[str, np.ndarray], *, recipe: str = "f32", tokenizer: Any = None,
+                     params: Mapping[str, np.ndarray | RawTensor], *, recipe: str = "f32", tokenizer: Any = None,
                      name: str | None = None) -> None:
     """Write a target or drafter GGUF that satisfies its contract.
 
     Args:
       cfg: the config; its type picks the contract.
-      params: `{gguf name: array}` for every required tensor of the contract (optional ones may be absent).
+      params: `{gguf name: array}` for every required tensor of the contract (optional ones may be absent);
+        a value may also be a RawTensor already encoded in the recipe's type (random packed bytes for models
+        too large to quantize on the host: `dsparkjax.random_gguf`).
       recipe: one of RECIPES.
       tokenizer: an object with `write_to(GGUFWriter)` (dsparkjax.tokenizer.Tokenizer), or None.
     """
@@ -129,10 +131,18 @@ def write_model_gguf(path: str | os.PathLike[str], cfg: TargetConfig | DrafterCo
             if spec.required:
                 raise DsparkError(f"{path}: missing parameter {spec.name} {spec.shape}")
             continue
-        values = np.asarray(params[spec.name])
-        if values.shape != spec.shape:
-            raise DsparkError(f"{path}: parameter {spec.name} has shape {values.shape}, expected {spec.shape}")
-        tensors.append(encode(spec.name, values, recipe_type(recipe, spec, drafter=drafter)))
+        value, ggml_type = params[spec.name], recipe_type(recipe, spec, drafter=drafter)
+        shape = value.shape if isinstance(value, RawTensor) else np.shape(value)
+        if tuple(shape) != spec.shape:
+            raise DsparkError(f"{path}: parameter {spec.name} has shape {tuple(shape)}, expected {spec.shape}")
+        if isinstance(value, RawTensor):
+            if value.ggml_type != ggml_type or value.name != spec.name:
+                raise DsparkError(f"{path}: parameter {spec.name} is encoded as {value.name} in "
+                                  f"{formats.type_name(value.ggml_type)}; recipe {recipe!r} stores it as "
+                                  f"{formats.type_name(ggml_type)}")
+            tensors.append(value)
+        else:
+            tensors.append(encode(spec.name, np.asarray(value), ggml_type))
     meta = list(metadata_items(cfg))
     meta.append(("general.name", name or ("dsparkjax drafter" if drafter else "dsparkjax target"),
                  GGUFValueType.STRING))

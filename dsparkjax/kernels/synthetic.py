@@ -27,25 +27,34 @@ _HALF_FIELDS = {
 }
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def random_packed(key: jax.Array, ggml_type: int, rows: tuple[int, ...], k: int) -> jax.Array:
-    """Random valid packed rows: uint8 `[*rows, k // block_size · type_size]` of `ggml_type`."""
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def random_packed(key: jax.Array, ggml_type: int, rows: tuple[int, ...], k: int, scale: float = 1.0) -> jax.Array:
+    """Random valid packed rows: uint8 `[*rows, k // block_size · type_size]` of `ggml_type`.
+
+    scale multiplies the weights' magnitude (the fp16 scale fields' ranges, to which the weights are linear, or
+    the dense types' std): random models pick it for the std they want. The ROCm types' scale bytes are
+    exponents and take only 1.0.
+    """
     t = GGMLType(int(ggml_type))
     kv, ks = jax.random.split(key)
     if t in _DENSE:
-        vals = jax.random.normal(kv, (*rows, k), jnp.float32).astype(_DENSE[t])
+        vals = (scale * jax.random.normal(kv, (*rows, k), jnp.float32)).astype(_DENSE[t])
         width = jnp.dtype(_DENSE[t]).itemsize
         raw = jax.lax.bitcast_convert_type(vals, jnp.uint8) if width > 1 else vals
         return raw.reshape(*rows, k * width)
+    if k % block_size(t):
+        raise ValueError(f"{t.name}: rows of {k} values are not whole blocks of {block_size(t)}")
     nb, ts = k // block_size(t), type_size(t)
     total = math.prod(rows) * nb * ts  # drawn as uint32 words: uint8 draws cost 4x the memory
     words = jax.random.bits(kv, (-(-total // 4),), jnp.uint32)
     raw = jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(-1)[:total].reshape(*rows, nb, ts)
     if t in _HALF_FIELDS:
         for i, (off, lo, hi) in enumerate(_HALF_FIELDS[t]):
-            half = jax.random.uniform(jax.random.fold_in(ks, i), (*rows, nb), jnp.float32, lo, hi)
+            half = scale * jax.random.uniform(jax.random.fold_in(ks, i), (*rows, nb), jnp.float32, lo, hi)
             raw = raw.at[..., off : off + 2].set(jax.lax.bitcast_convert_type(half.astype(jnp.float16), jnp.uint8))
     else:
+        if scale != 1.0:
+            raise ValueError(f"{t.name}: scale bytes are exponents; random_packed draws them with scale 1.0 only")
         ns = CODECS[t].n_scales
         raw = raw.at[..., ts - ns :].set(jax.random.randint(ks, (*rows, nb, ns), 0, 0x7F, jnp.int32).astype(jnp.uint8))
     return raw.reshape(*rows, nb * ts)

@@ -18,12 +18,11 @@ from flax import struct
 from dsparkjax.config import DrafterConfig, TargetConfig
 from dsparkjax.errors import GGUFContractError
 from dsparkjax.ggufio.contract import check_tensor_bytes
-from dsparkjax.formats import GGMLType
+from dsparkjax.formats import FLOAT_TYPES
 from dsparkjax.ggufio.reader import GGUFFile
 from dsparkjax.kernels.packed import KERNEL_TYPES
 from dsparkjax.model.weights import PackedWeight, RowBlocks, Weight
 
-_FLOAT = frozenset({GGMLType.F32, GGMLType.F16, GGMLType.BF16})
 
 
 @struct.dataclass
@@ -156,7 +155,7 @@ class _TensorReader:
         raw = self._checked_raw(name)
         info = self.file.tensors[name]
         lead = tuple(info.shape[:-2])
-        if self.pack is not None and info.ggml_type in KERNEL_TYPES and info.ggml_type not in _FLOAT:
+        if self.pack is not None and info.ggml_type in KERNEL_TYPES and info.ggml_type not in FLOAT_TYPES:
             return (int(info.ggml_type), info.shape[-1], lead), raw.reshape(*info.shape[:-1], raw.shape[-1])
         return (None, info.shape[-1], lead), self.file.array(name)
 

@@ -61,14 +61,18 @@ class RowBlocks:
 
 # Packed non-expert matmuls on the "ffi" backend go through a dense copy and XLA's GEMM from GEMM_MIN_ROWS
 # rows per call, and from GEMM_MIN_ROWS_LARGE rows for weights of LARGE_WEIGHT_BYTES packed bytes or more.
-# DSPARKJAX_GEMM_MIN_ROWS overrides the first (0: the kernels always). On the H200 (docs/PERFORMANCE.md):
+# DSPARKJAX_GEMM_MIN_ROWS and DSPARKJAX_GEMM_MIN_ROWS_LARGE override them (DSPARKJAX_GEMM_MIN_ROWS=0: the kernels
+# always). On the H200 (docs/PERFORMANCE.md):
 # the benchmark model's matrices (at most 9 MB) made the 384-row program 15% faster and the 64-row one 20%
 # slower (generation run 6; 128 lies below the crossover those points put near 150 rows). DS4's 36 MB Q8_0
 # projections in a stream of calls, each with its own weight (kernel run 11): 8192 -> 4096 at 8 rows 46.6 us
 # on the kernel against 74.4 through the copy, at 16 rows 87.1 (run 10) against 69.8, at 64 299.8 against
-# 84.8; the grouped output projection 55.9 against 93.0 at 8 rows, 123.8 against 89.8 at 16.
+# 84.8; the grouped output projection 55.9 against 93.0 at 8 rows, 123.8 against 89.8 at 16. In DS4's own step
+# (8 of its layers, batch 8, generation run 16), where the 563 MB output head is the largest of them, the kernels
+# made the 16-row step faster (8.25 against 9.16 ms) and the copy the 32- and 48-row ones (13.4 against 15.1,
+# 15.0 against 18.8), so the copy takes over from 32 rows (24 is not measured).
 GEMM_MIN_ROWS = int(os.environ.get("DSPARKJAX_GEMM_MIN_ROWS", "128"))
-GEMM_MIN_ROWS_LARGE = 16
+GEMM_MIN_ROWS_LARGE = int(os.environ.get("DSPARKJAX_GEMM_MIN_ROWS_LARGE", "32"))
 LARGE_WEIGHT_BYTES = 16 << 20
 
 
