@@ -64,7 +64,7 @@ def random_params(specs: list[TensorSpec], seed: int, hc_mult: int, n_experts: i
     The one exception is the confidence bias: DeepSeek's confidence head has none (`dspark_reference.md` §3).
     With `packed_recipe`, the matrices that recipe stores quantized (`drafter`: the drafter's recipe) come
     already encoded: random valid blocks (`random_packed_matrix`), so that models at DS4's own size are
-    written in seconds instead of quantized on the host.
+    written in about a minute (8 layers, 17 GB, on the H200's host) instead of quantized on the host.
     """
     rng = np.random.default_rng(seed)
     key = jax.random.key(seed)

@@ -113,8 +113,8 @@ def write_model_gguf(path: str | os.PathLike[str], cfg: TargetConfig | DrafterCo
     Args:
       cfg: the config; its type picks the contract.
       params: `{gguf name: array}` for every required tensor of the contract (optional ones may be absent);
-        a value may also be a RawTensor already encoded in the recipe's type (random packed bytes for models
-        too large to quantize on the host: `dsparkjax.random_gguf`).
+        a value may also be a RawTensor already encoded in the recipe's type (random packed blocks for models
+        too large to quantize on the host: `tiny.random_params(packed_recipe=...)`).
       recipe: one of RECIPES.
       tokenizer: an object with `write_to(GGUFWriter)` (dsparkjax.tokenizer.Tokenizer), or None.
     """
