@@ -14,7 +14,10 @@
 #include "gpu_vendor.h"  // first: the HIP runtime header defines __host__/__device__ for the shared headers
 
 #include <algorithm>
+#include <climits>
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 #include <type_traits>
 
 #include "ffi_common.h"
@@ -287,6 +290,7 @@ ffi::Error launch_error() {
 }
 
 #include "gpu_i8_matvec.cuh"  // namespace i8: the integer path (uses the constants and ColTable above)
+#include "gpu_i8_mma.cuh"     // namespace i8: its tensor-core kernel for several tokens (CUDA)
 
 template <class XT>
 void launch_qmatmul(gpuStream_t stream, const QDims& d, int32_t type, const uint8_t* w, const void* x, float* y) {

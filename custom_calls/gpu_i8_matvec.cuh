@@ -68,6 +68,17 @@ struct XSource {
 // Steps of a warp's staging loop whose global loads are in flight together (two sub-blocks per lane group).
 constexpr int kStageBatch = 2;
 
+// Where stage_tokens puts the limbs and the scale of (token slot, sub-block sb), for the lane holding elements
+// 8q..8q+7 (its limb-0 word pair; limb l is l · limb_stride words further) and call index i = slot · nsub + sb.
+// SlotMajor is the matvec's layout above; the tensor-core kernel has its own (gpu_i8_mma.cuh).
+struct SlotMajor {
+  __device__ __forceinline__ static uint2* limbs(uint8_t* dst, uint32_t K, uint32_t slot, uint32_t sb, uint32_t q) {
+    return reinterpret_cast<uint2*>(dst + slot * 3 * K + (q / 2) * (K / 2) + sb * 16) + q % 2;
+  }
+  __device__ __forceinline__ static uint32_t limb_stride(uint32_t K) { return K / 8; }  // 2 arrays of K/2 bytes
+  __device__ __forceinline__ static uint32_t scale_index(uint32_t i, uint32_t, uint32_t) { return i; }
+};
+
 // Quantises the activations of `src` into shared memory. Lane group g = lane / 4 of a warp takes sub-block
 // i = 8·(warp step) + g of the call's (token, sub-block) sequence, lane q = lane % 4 its elements 8q..8q+7 (the
 // index, address and reduction work per lane is paid once per 8 activations); the sub-block's largest
@@ -75,8 +86,8 @@ constexpr int kStageBatch = 2;
 // scale). Offsets in shared memory are 32-bit (it is at most 228 KB). Every step of the loop runs in every
 // lane, past the last sub-block too (its loads skipped): an early exit from a batch raised the MoE kernel's
 // registers by up to 45 (kernel run 12). With kSums, lanes q = 0 and 2 also store the sum of X over their
-// half of the sub-block (their 8 elements and lane q + 1's).
-template <class XT, int W, bool kSums>
+// half of the sub-block (their 8 elements and lane q + 1's). `Layout` says where the limbs and scales go.
+template <class XT, int W, bool kSums, class Layout>
 __device__ __forceinline__ void stage_tokens(const XSource& src, float* scales, int* sums) {
   const uint32_t nsub = (uint32_t)(src.K / 32), total = (uint32_t)src.ntok * nsub, K = (uint32_t)src.K;
   const uint32_t warp = threadIdx.x / kLanes, lane = threadIdx.x % kLanes, q = lane % 4;
@@ -117,24 +128,23 @@ __device__ __forceinline__ void stage_tokens(const XSource& src, float* scales, 
         if (i >= total) continue;
         if (q % 2 == 0) sums[2 * i + q / 2] = xsum;
       }
-      // limb l, half q / 2, bytes 8·(q % 2)..: array 2l + q/2 of the slot, words 2·(q % 2).. of sub-block sb
-      uint2* out = reinterpret_cast<uint2*>(src.dst + slot[u] * 3 * K + (q / 2) * (K / 2) + sb[u] * 16) + q % 2;
+      uint2* out = Layout::limbs(src.dst, K, slot[u], sb[u], q);
 #pragma unroll
-      for (int l = 0; l < 3; ++l) out[l * (K / 8)] = make_uint2(limbs[l][0], limbs[l][1]);  // + 2l arrays of K/2 bytes
-      if (q == 0) scales[i] = sc;
+      for (int l = 0; l < 3; ++l) out[l * Layout::limb_stride(K)] = make_uint2(limbs[l][0], limbs[l][1]);
+      if (q == 0) scales[Layout::scale_index(i, slot[u], sb[u])] = sc;
     }
   }
 }
 
 // Quantises the activations of `src` into shared memory (with the half sums where kSums), then a CTA barrier
 // (every thread of the W warps must call it).
-template <int W, bool kSums>
+template <int W, bool kSums, class Layout = SlotMajor>
 __device__ __forceinline__ XView stage_x(const XSource& src) {
   const int nsub = (int)(src.K / 32);
   float* scales = reinterpret_cast<float*>(src.dst + (int64_t)src.slots * 3 * src.K);
   int* sums = reinterpret_cast<int*>(scales + src.slots * nsub);
-  if (src.bf16) stage_tokens<bf16_t, W, kSums>(src, scales, sums);
-  else stage_tokens<float, W, kSums>(src, scales, sums);
+  if (src.bf16) stage_tokens<bf16_t, W, kSums, Layout>(src, scales, sums);
+  else stage_tokens<float, W, kSums, Layout>(src, scales, sums);
   __syncthreads();
   return XView{reinterpret_cast<const uint4*>(src.dst), scales, reinterpret_cast<const int2*>(sums), nsub};
 }
@@ -690,7 +700,8 @@ Args args_for(const QDims& d, const uint8_t* w, float* y) {
 }
 
 // Launches the integer-path matmul; false (nothing launched) when the call does not fit it.
-// Several tokens: one CTA of kWideWarps per SM, tiles of tokens that fill the device, kSubPerLaneMany
+// Several tokens: the tensor-core kernel (gpu_i8_mma.cuh) where it takes the call, which gives the same bits;
+// else one CTA of kWideWarps per SM, tiles of tokens that fill the device, kSubPerLaneMany
 // sub-blocks per lane and rows per group by balance and room. One CTA of kWideWarps per SM stages the tokens
 // once per SM instead of twice, and has room for twice as many (kernel run 10: 8192 -> 4096 at T = 4 one tile
 // of four tokens instead of two of two, 32.4 -> 29.5 us; attn_a at T = 4 9.8 -> 8.7).
@@ -699,7 +710,11 @@ Args args_for(const QDims& d, const uint8_t* w, float* y) {
 // call whose rows need fewer wide CTAs than the device has SMs, which takes two CTAs of kWarps and so spreads
 // its rows over all SMs (attn_a at T = 1 as 64 wide CTAs: 6.0 -> 6.4 us).
 template <class Fmt>
+bool launch_qmma(gpuStream_t stream, const QDims& d, const uint8_t* w, const void* x, bool bf16, float* y);
+
+template <class Fmt>
 bool launch_qmatmul(gpuStream_t stream, const QDims& d, const uint8_t* w, const void* x, bool bf16, float* y) {
+  if (d.T > 1 && launch_qmma<Fmt>(stream, d, w, x, bf16, y)) return true;
   bool launched = false;
   if (d.T > 1) {
     constexpr int S = kSubPerLaneMany<Fmt>;

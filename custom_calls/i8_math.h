@@ -159,6 +159,18 @@ struct Tables {
   const uint8_t* base;  // the tables, plus this lane's copy offset (lane % 16) * 4
 };
 
+// IQ2_XXS weights 8l..8l+7 of a sub-block as two words of int8, from the byte offsets (entry · 64) of their
+// grid index's and stored sign pattern's table entries.
+DSPARK_HD void iq2_group(const Tables& tab, uint32_t grid_at, uint32_t sign_at, uint32_t& lo, uint32_t& hi) {
+  // nibbles at most 2 + 3: the sum never carries into the next nibble
+  const uint32_t sel = *reinterpret_cast<const uint32_t*>(tab.base + grid_at) +
+                       *reinterpret_cast<const uint32_t*>(tab.base + kGridBytes + sign_at);
+  lo = byte_select(kPoolLo, kPoolHi, sel);  // reads selector bits 0..15
+  hi = byte_select(kPoolLo, kPoolHi, sel >> 16);
+}
+// An IQ2_XXS sub-block's scale from its block's d and its second word (the 4-bit scale in bits 28..31).
+DSPARK_HD float iq2_scale(float d, uint32_t a1) { return f32_mul(f32_mul(d, f32_add(0.5f, (float)(a1 >> 28))), 0.25f); }
+
 // A decoder gives a sub-block's weights and its Scale; `add` puts the sub-block's product into acc: v is
 // sub_block_value, xs the activation scale 2^(e_b-22), sum0 and sum1 the half sums of X (kSums formats only).
 // Formats without mins scale by one float.
@@ -202,17 +214,10 @@ struct Sub<FmtIQ2_XXS> : ScaleOnly {  // half d @0; 8 x (u8 grid index[4], u32 s
     const uint32_t idx = funnel_shift_right(w0, w1, sh), a1 = funnel_shift_right(w1, w2, sh);
     const float d = half_to_float(*reinterpret_cast<const uint16_t*>(chunk + blk));
 #pragma unroll
-    for (int l = 0; l < 4; ++l) {
-      // byte offsets of entry (index · 16 + copy) · 4: the index lands in bits 6.. of the offset.
-      const uint32_t g_at = (l == 0 ? idx << 6 : idx >> (8 * l - 6)) & 0x3FC0u;
-      const uint32_t s_at = (l == 0 ? a1 << 6 : a1 >> (7 * l - 6)) & 0x1FC0u;
-      // nibbles at most 2 + 3: the sum never carries into the next nibble
-      const uint32_t sel = *reinterpret_cast<const uint32_t*>(tab.base + g_at) +
-                           *reinterpret_cast<const uint32_t*>(tab.base + kGridBytes + s_at);
-      q[2 * l] = byte_select(kPoolLo, kPoolHi, sel);  // reads selector bits 0..15
-      q[2 * l + 1] = byte_select(kPoolLo, kPoolHi, sel >> 16);
-    }
-    return f32_mul(f32_mul(d, f32_add(0.5f, (float)(a1 >> 28))), 0.25f);
+    for (int l = 0; l < 4; ++l)  // byte offsets of entry (index · 16 + copy) · 4: the index lands in bits 6..
+      iq2_group(tab, (l == 0 ? idx << 6 : idx >> (8 * l - 6)) & 0x3FC0u, (l == 0 ? a1 << 6 : a1 >> (7 * l - 6)) & 0x1FC0u,
+                q[2 * l], q[2 * l + 1]);
+    return iq2_scale(d, a1);
   }
 };
 

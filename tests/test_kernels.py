@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import _ctypes
 import functools
+import os
 import shutil
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -406,10 +409,12 @@ def test_i8_model_rejects_what_the_integer_path_does_not_serve(cpu_device):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("ggml_type", INT_PATH_TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("n, k", [(37, 1536), (300, 4096), (1059, 2048)], ids=["partial_chunk", "ds4_k", "many_rows"])
+@pytest.mark.parametrize("n, k", [(37, 1536), (300, 4096), (1059, 2048), (4100, 2048)],
+                         ids=["partial_chunk", "ds4_k", "many_rows", "tensor_cores"])
 def test_gpu_integer_path_equals_its_model(cpu_device, ggml_type, n, k):
     """The GPU's dense, MoE and grouped calls give the CPU model's bits for every row and token (T = 1, 4, 8):
-    the integer path computes what cpu_i8_model.h says, in every launch geometry these shapes take."""
+    the integer path computes what cpu_i8_model.h says, in every launch geometry these shapes take (4100 rows:
+    dense calls of 8 Q8_0 or IQ2_XXS tokens on the tensor-core kernel by default)."""
     dev = _gpu_device()
     if dev is None or not kernels.ffi.available("gpu"):
         pytest.skip("needs a GPU and the CUDA plugin")
@@ -430,6 +435,46 @@ def test_gpu_integer_path_equals_its_model(cpu_device, ggml_type, n, k):
                                                      ggml_type, backend="ffi"))
         for g in range(3):
             np.testing.assert_array_equal(grouped[:, g], model[g][:t_rows])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ggml_type, n, k", [
+    (GGMLType.Q8_0, 37, 256), (GGMLType.Q8_0, 300, 1280), (GGMLType.Q8_0, 1059, 4096), (GGMLType.Q8_0, 33, 8192),
+    (GGMLType.IQ2_XXS, 37, 2048), (GGMLType.IQ2_XXS, 300, 6144), (GGMLType.IQ2_XXS, 1059, 4096),
+    (GGMLType.IQ2_XXS, 33, 8192),
+], ids=lambda v: v.name if isinstance(v, GGMLType) else str(v))
+def test_gpu_dense_calls_of_several_tokens_equal_the_model(cpu_device, ggml_type, n, k):
+    """Dense calls of 2-8, 12 and 17 tokens (one to three token tiles), float32 and bfloat16, give the CPU model's
+    bits: rows past a tile's end, K below, at and past one chunk, K = 8192 (where 8 tokens do not fit one tile).
+    The default routes take the matvec for most of these shapes; under DSPARKJAX_GPU_MMA=force (the next test)
+    every one of them runs on the tensor-core kernel."""
+    dev = _gpu_device()
+    if dev is None or not kernels.ffi.available("gpu"):
+        pytest.skip("needs a GPU and the CUDA plugin")
+    rng = np.random.default_rng(12)
+    w = random_packed(rng, ggml_type, (n,), k)
+    wd, wc = jax.device_put(w, dev), jax.device_put(w, cpu_device)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        x = np.asarray(jnp.asarray(rng.standard_normal((17, k)), dtype))
+        model = np.asarray(_i8_model(jax.device_put(x, cpu_device), wc, int(ggml_type)))
+        for t_rows in (2, 3, 4, 5, 8, 12, 17):
+            got = np.asarray(_qmatmul(jax.device_put(x[:t_rows], dev), wd, ggml_type, "ffi"))
+            np.testing.assert_array_equal(got, model[:t_rows], err_msg=f"{dtype.__name__}, T = {t_rows}")
+
+
+@pytest.mark.gpu
+def test_gpu_tensor_core_kernel_equals_the_model_in_every_geometry():
+    """The test above in a pytest subprocess with DSPARKJAX_GPU_MMA=force (read once per process): each of its
+    shapes and widths on the tensor-core kernel (gpu_i8_mma.cuh) gives the CPU model's bits."""
+    if os.environ.get("DSPARKJAX_GPU_MMA") == "force":
+        pytest.skip("this process is the forced run")
+    if _gpu_device() is None or not kernels.ffi.available("gpu"):
+        pytest.skip("needs a GPU and the CUDA plugin")
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+         f"{__file__}::test_gpu_dense_calls_of_several_tokens_equal_the_model"],
+        env=dict(os.environ, DSPARKJAX_GPU_MMA="force"), capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0 and "8 passed" in run.stdout, run.stdout[-4000:] + run.stderr[-4000:]
 
 
 @pytest.mark.gpu
