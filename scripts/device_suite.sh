@@ -71,7 +71,7 @@ python3 scripts/bench_hc.py --save="$OUT/hc.npz" 2>&1 | grep -v '^[IW][0-9]'
 fi
 if want durations; then  # about three minutes: each call's kernel alone, caches flushed (no overlap, no launch gap)
 echo "== kernel durations (ncu, every shape, T = 1 and 4, against a 1 GiB copy kernel timed the same way)"
-ncu --clock-control none -k regex:'qmatmul|loop_add_fusion' --metrics gpu__time_duration.sum --csv \
+ncu --clock-control none -k regex:'qmatmul|qmma|loop_add_fusion' --metrics gpu__time_duration.sum --csv \
   --log-file "$OUT/durations.csv" python3 scripts/profile_kernel.py --formats=Q8_0,Q2_K,IQ2_XXS --t_rows=1,4 \
   --copy_mib=1024 --copy_sizes_mb=1.1,4.4,13.4,35.6 --configs_out="$OUT/configs.json" > "$OUT/durations.log" 2>&1
 python3 scripts/profile_kernel.py --table_from="$OUT/durations.csv" --configs_in="$OUT/configs.json" \
@@ -97,7 +97,7 @@ l1tex__data_pipe_lsu_wavefronts_mem_shared.avg.pct_of_peak_sustained_elapsed,\
 l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum
 for spec in "IQ2_XXS exp_up24" "Q8_0 attn_a"; do
   set -- $spec
-  ncu --clock-control none -k regex:qmatmul --launch-skip 1 --launch-count 1 --section SpeedOfLight \
+  ncu --clock-control none -k regex:'qmatmul|qmma' --launch-skip 1 --launch-count 1 --section SpeedOfLight \
     --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats \
     --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section InstructionStats \
     --metrics "$PIPE_METRICS" python3 scripts/profile_kernel.py --formats="$1" --shapes="$2" \

@@ -1,17 +1,17 @@
 """Run packed-matmul calls at DS4-Flash decode shapes for a profiler, and tabulate their kernel durations.
 
 Each (format, shape, T) call runs twice, once to compile and warm up and once to be profiled, and nothing
-else that launches a `qmatmul` kernel runs, so Nsight Compute can be pointed at the second launches. One call
+else that launches a `qmatmul` or `qmma` kernel runs, so Nsight Compute can be pointed at the second launches. One call
 in depth:
 
-  ncu --clock-control none -k regex:qmatmul --launch-skip 1 --launch-count 1 --set full \\
+  ncu --clock-control none -k regex:'qmatmul|qmma' --launch-skip 1 --launch-count 1 --set full \\
       python3 scripts/profile_kernel.py --formats=IQ2_XXS --shapes=exp_up24
 
 Kernel durations of many calls (ncu flushes the caches before each profiled launch, so every call reads its
 weights from DRAM, and each launch runs alone: no overlap with neighbouring calls, no launch gap), against the
 duration of a 1 GiB copy kernel timed the same way (XLA names it loop_add_fusion):
 
-  ncu --clock-control none -k regex:'qmatmul|loop_add_fusion' --metrics gpu__time_duration.sum --csv \\
+  ncu --clock-control none -k regex:'qmatmul|qmma|loop_add_fusion' --metrics gpu__time_duration.sum --csv \\
       --log-file /tmp/d.csv python3 scripts/profile_kernel.py --formats=Q8_0,IQ2_XXS --t_rows=1,4 \\
       --configs_out=/tmp/c.json
   python3 scripts/profile_kernel.py --table_from=/tmp/d.csv --configs_in=/tmp/c.json
@@ -83,6 +83,12 @@ def read_durations(durations_csv: str) -> list[tuple[str, float]]:
     return [(r["Kernel Name"], float(r["Metric Value"].replace(",", "")) * scale[r["Metric Unit"]]) for r in rows]
 
 
+def is_matmul(kernel_name: str) -> bool:
+    """Whether a profiled kernel is a packed matmul: the dp4a matvec (qmatmul*) or the tensor-core kernel
+    (qmma_kernel), which takes dense calls of several tokens."""
+    return "qmatmul" in kernel_name or "qmma" in kernel_name
+
+
 def print_table(durations_csv: str, configs_json: str, copy_gbps: float | None) -> None:
     """Durations of the second launch of each call, GB/s, % of copy bandwidth and time(T) / time(T=1), after
     the copies' durations. The copy launches are the last profiled launches that are not a matmul: two of
@@ -91,13 +97,13 @@ def print_table(durations_csv: str, configs_json: str, copy_gbps: float | None) 
     launches = read_durations(durations_csv)
     with open(configs_json) as f:
         configs = json.load(f)
-    calls = [us for name, us in launches if "qmatmul" in name]
+    calls = [us for name, us in launches if is_matmul(name)]
     if len(calls) != 2 * len(configs["calls"]):
         raise SystemExit(f"{durations_csv}: {len(calls)} profiled launches, expected 2 per call "
                          f"({len(configs['calls'])} calls)")
     probes = configs.get("copy_sizes", [])
     n_copies = 2 * (bool(configs.get("copy_bytes")) + len(probes))
-    copies = [us for name, us in launches if "qmatmul" not in name][-n_copies:] if n_copies else []
+    copies = [us for name, us in launches if not is_matmul(name)][-n_copies:] if n_copies else []
     if len(copies) < n_copies:
         if copy_gbps is None or probes:
             raise SystemExit(f"{durations_csv}: {len(copies)} copy launches profiled, expected {n_copies} (run "
