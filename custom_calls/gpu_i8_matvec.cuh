@@ -396,6 +396,14 @@ __device__ void warp_rows(RowStream<Fmt, R, S>& rows, const XSource& xs, const i
   gpu_syncwarp();
 }
 
+// A dense call's token tile: grid row blockIdx.y takes tokens blockIdx.y · slots.. of T. Writes their indices to
+// rows[0..kMaxCols) (the caller's barrier publishes them) and returns how many there are.
+__device__ __forceinline__ int token_tile(int64_t T, int slots, int* rows) {
+  const int64_t t0 = (int64_t)blockIdx.y * slots;
+  if (threadIdx.x < kMaxCols) rows[threadIdx.x] = (int)(t0 + threadIdx.x);
+  return (int)(T - t0 < slots ? T - t0 : slots);
+}
+
 // Dense: grid (persistent CTAs of W warps, token tiles of `slots` tokens).
 template <class Fmt, int NC, int R, int W, int S>
 __global__ void __launch_bounds__(W * kLanes, kWarpsPerSm / W) qmatmul_kernel(Args a, const void* __restrict__ x,
@@ -409,9 +417,7 @@ __global__ void __launch_bounds__(W * kLanes, kWarpsPerSm / W) qmatmul_kernel(Ar
       warp_stream<Fmt, R, W, S>(a, smem, (int)blockIdx.x * W, (int)gridDim.x, (int)((a.N + R - 1) / R));
   rows.start();
   const Tables tab = tables.store(smem);
-  const int64_t t0 = (int64_t)blockIdx.y * slots;
-  const int ncols = (int)(T - t0 < slots ? T - t0 : slots);
-  if (threadIdx.x < kMaxCols) s_rows[threadIdx.x] = (int)(t0 + threadIdx.x);
+  const int ncols = token_tile(T, slots, s_rows);
   __syncthreads();
   warp_rows<Fmt, NC, R, W, S>(rows, XSource{x, bf16, a.K, s_rows, ncols, slots, smem + kFixedSmemBytes<Fmt, R, W, S>},
                               s_rows, ncols, tab);

@@ -226,9 +226,7 @@ __global__ void __launch_bounds__(kMmaThreads, 1) qmma_kernel(Args a, const void
   Stream rows(a, ring, (int)blockIdx.x, (int)gridDim.x, row_tiles);
   rows.start();
   const Tables tab = tables.store(smem);
-  const int64_t t0 = (int64_t)blockIdx.y * slots;
-  const int ncols = (int)(T - t0 < slots ? T - t0 : slots);
-  if (threadIdx.x < kMaxCols) s_rows[threadIdx.x] = (int)(t0 + threadIdx.x);
+  const int ncols = token_tile(T, slots, s_rows);
   __syncthreads();
   uint8_t* xdst = ring + C::kStages * Stream::kStageBytes;
   const XView xv = stage_x<kMmaWarps, false, SubBlockMajor<NT>>(XSource{x, bf16, a.K, s_rows, ncols, NT, xdst});
@@ -275,7 +273,7 @@ __global__ void __launch_bounds__(kMmaThreads, 1) qmma_kernel(Args a, const void
 #pragma unroll
           for (int L = 0; L < m; ++L) s[L] = f32_add(s[L], s[L + m]);
         const int64_t row = (int64_t)tile * kMmaRows + h * 16 + r;
-        if (row < a.N && tok < ncols) a.y[(t0 + tok) * a.N + row] = s[0];
+        if (row < a.N && tok < ncols) a.y[(int64_t)s_rows[tok] * a.N + row] = s[0];
       }
     }
     slot = slot + 1 == C::kStages ? 0 : slot + 1;
