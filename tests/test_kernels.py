@@ -446,8 +446,8 @@ def test_gpu_integer_path_equals_its_model(cpu_device, ggml_type, n, k):
 def test_gpu_dense_calls_of_several_tokens_equal_the_model(cpu_device, ggml_type, n, k):
     """Dense calls of 2-8, 12 and 17 tokens (one to three token tiles), float32 and bfloat16, give the CPU model's
     bits: rows past a tile's end, K below, at and past one chunk, K = 8192 (where 8 tokens do not fit one tile).
-    The default routes take the matvec for most of these shapes; under DSPARKJAX_GPU_MMA=force (the next test)
-    every one of them runs on the tensor-core kernel."""
+    The default routes take the matvec for all of these shapes (fewer than 48 tiles of 32 rows, mma_pays); under
+    DSPARKJAX_GPU_MMA=force (the next test) every one of them runs on the tensor-core kernel."""
     dev = _gpu_device()
     if dev is None or not kernels.ffi.available("gpu"):
         pytest.skip("needs a GPU and the CUDA plugin")
