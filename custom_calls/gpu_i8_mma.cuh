@@ -64,11 +64,11 @@ template <>
 struct MmaGroup<FmtQ8_0> {
   __device__ __forceinline__ static float decode(const uint8_t* chunk, int sub, int t, uint32_t& lo, uint32_t& hi,
                                                  const Tables&) {
-    const uint32_t b = 34u * (uint32_t)sub, o = b + 2u + 8u * (uint32_t)t;
-    const uint32_t* wp = reinterpret_cast<const uint32_t*>(chunk + (o & ~3u));
-    const uint32_t sh = (o & 3u) * 8u, w0 = wp[0], w1 = wp[1], w2 = wp[2];
-    lo = funnel_shift_right(w0, w1, sh);
-    hi = funnel_shift_right(w1, w2, sh);
+    const uint32_t b = 34u * (uint32_t)sub;
+    uint32_t q[2];
+    words_at<2>(chunk, b + 2u + 8u * (uint32_t)t, q);
+    lo = q[0];
+    hi = q[1];
     return half_to_float(*reinterpret_cast<const uint16_t*>(chunk + b));
   }
 };
@@ -78,8 +78,8 @@ struct MmaGroup<FmtIQ2_XXS> {
                                                  const Tables& tab) {
     const uint32_t blk = 66u * (uint32_t)(sub >> 3);
     const uint32_t o = blk + 2u + 8u * (uint32_t)(sub & 7);  // 4 grid indices, then the signs and the scale
-    const uint32_t* wp = reinterpret_cast<const uint32_t*>(chunk + ((o + 4u) & ~3u));
-    const uint32_t a1 = funnel_shift_right(wp[0], wp[1], ((o + 4u) & 3u) * 8u);
+    uint32_t a1;
+    words_at<1>(chunk, o + 4u, &a1);
     const uint32_t grid_index = chunk[o + (uint32_t)t];
     iq2_group(tab, grid_index << 6, ((a1 >> (7 * t)) & 127u) << 6, lo, hi);
     return iq2_scale(half_to_float(*reinterpret_cast<const uint16_t*>(chunk + blk)), a1);

@@ -159,6 +159,19 @@ struct Tables {
   const uint8_t* base;  // the tables, plus this lane's copy offset (lane % 16) * 4
 };
 
+// The N 4-byte words at byte offset o of p, at any alignment: N + 1 aligned loads, funnel-shifted (staged
+// records sit at odd offsets: Q8_0's 34-byte and IQ2_XXS's 66-byte blocks).
+template <int N>
+DSPARK_HD void words_at(const uint8_t* p, uint32_t o, uint32_t* out) {
+  const uint32_t* wp = reinterpret_cast<const uint32_t*>(p + (o & ~3u));
+  const uint32_t sh = (o & 3u) * 8u;
+  uint32_t w[N + 1];
+#pragma unroll
+  for (int i = 0; i <= N; ++i) w[i] = wp[i];
+#pragma unroll
+  for (int i = 0; i < N; ++i) out[i] = funnel_shift_right(w[i], w[i + 1], sh);
+}
+
 // IQ2_XXS weights 8l..8l+7 of a sub-block as two words of int8, from the byte offsets (entry · 64) of their
 // grid index's and stored sign pattern's table entries.
 DSPARK_HD void iq2_group(const Tables& tab, uint32_t grid_at, uint32_t sign_at, uint32_t& lo, uint32_t& hi) {
@@ -190,13 +203,7 @@ struct Sub<FmtQ8_0> : ScaleOnly {  // half d @0; int8 qs[32] @2: one block per s
   DSPARK_HD static float decode(const uint8_t* chunk, int sub, uint32_t q[8], const Tables&) {
     const uint32_t b = 34u * (uint32_t)sub;
     const float d = half_to_float(*reinterpret_cast<const uint16_t*>(chunk + b));
-    const uint32_t* wp = reinterpret_cast<const uint32_t*>(chunk + ((b + 2u) & ~3u));
-    const uint32_t sh = ((b + 2u) & 3u) * 8u;
-    uint32_t w[9];
-#pragma unroll
-    for (int i = 0; i < 9; ++i) w[i] = wp[i];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) q[i] = funnel_shift_right(w[i], w[i + 1], sh);
+    words_at<8>(chunk, b + 2u, q);
     return d;
   }
 };
@@ -207,11 +214,9 @@ struct Sub<FmtIQ2_XXS> : ScaleOnly {  // half d @0; 8 x (u8 grid index[4], u32 s
   static constexpr int kTableBytes = kGridBytes + kSignBytes;
   DSPARK_HD static float decode(const uint8_t* chunk, int sub, uint32_t q[8], const Tables& tab) {
     const uint32_t blk = 66u * (uint32_t)(sub >> 3);
-    const uint32_t o = blk + 2u + 8u * (uint32_t)(sub & 7);
-    const uint32_t* wp = reinterpret_cast<const uint32_t*>(chunk + (o & ~3u));
-    const uint32_t sh = (o & 3u) * 8u;
-    const uint32_t w0 = wp[0], w1 = wp[1], w2 = wp[2];
-    const uint32_t idx = funnel_shift_right(w0, w1, sh), a1 = funnel_shift_right(w1, w2, sh);
+    uint32_t rec[2];  // the 4 grid indices, then the signs and the scale
+    words_at<2>(chunk, blk + 2u + 8u * (uint32_t)(sub & 7), rec);
+    const uint32_t idx = rec[0], a1 = rec[1];
     const float d = half_to_float(*reinterpret_cast<const uint16_t*>(chunk + blk));
 #pragma unroll
     for (int l = 0; l < 4; ++l)  // byte offsets of entry (index · 16 + copy) · 4: the index lands in bits 6..
