@@ -598,12 +598,15 @@ inline int even_slots(int64_t tokens, int slots) {
 }
 
 // Rows per group for passes of `tokens` tokens: R (a power of two) halved until its copy rings leave room for
-// as few passes as one row per group (`slots_of(R)` slots per pass): more rows per group share each activation
-// load, but not at the price of another pass over the weights.
+// at most `extra` passes more than one row per group (`slots_of(R)` slots per pass): more rows per group share
+// each activation load, but a pass costs the weights' decode again. The MoE kernel's passes run one after another
+// on the same CTAs (extra 0); a dense call's token tiles run side by side on a split grid, each CTA staging fewer
+// tokens, so one tile more is cheaper than one row per group (extra 1; kernel run 20: 8192 -> 4096 at T = 5 in
+// two tiles of two rows per group instead of one tile of one, 31.7 -> 27.5 us for Q8_0, 31.2 -> 26.5 for IQ2_XXS).
 template <class F>
-int rows_with_room(int R, int64_t tokens, F&& slots_of) {
+int rows_with_room(int R, int64_t tokens, F&& slots_of, int64_t extra) {
   const int64_t one = passes(tokens, slots_of(1));
-  while (R > 1 && passes(tokens, slots_of(R)) > one) R /= 2;
+  while (R > 1 && passes(tokens, slots_of(R)) > one + extra) R /= 2;
   return R;
 }
 
@@ -729,7 +732,7 @@ bool launch_qmatmul(gpuStream_t stream, const QDims& d, const uint8_t* w, const 
       return token_slots<Fmt, kWideWarps>(d.K, tile_tokens<kWideWarps>(d.T, d.N, R), fixed_smem_bytes<Fmt, kWideWarps, S>(R));
     };
     const int rows =
-        rows_with_room(balanced_rows(d.N, (int64_t)kWarpsPerSm * sm_count(), kMaxRows<Fmt, S>), d.T, slots_of);
+        rows_with_room(balanced_rows(d.N, (int64_t)kWarpsPerSm * sm_count(), kMaxRows<Fmt, S>), d.T, slots_of, 1);
     if (a.copy_bytes > 0) visit_rows<kMaxRows<Fmt, S>>(rows, [&](auto rc) {
       constexpr int kR = decltype(rc)::value;
       const int slots = even_slots(d.T, slots_of(kR));
@@ -782,7 +785,7 @@ bool launch_qmatmul_id(gpuStream_t stream, const QDims& d, const uint8_t* w, con
     if (a.copy_bytes == 0) return launched;
     const int64_t warps = std::max<int64_t>(1, (int64_t)kWarpsPerSm * sm_count() / busy);  // per busy expert
     const auto slots_of = [&](int R) { return token_slots<Fmt, W>(d.K, wanted, fixed_smem_bytes<Fmt, W, S>(R)); };
-    visit_rows<kMaxRows<Fmt, S>>(rows_with_room(balanced_rows(d.N, warps, kMaxRows<Fmt, S>), wanted, slots_of), [&](auto rc) {
+    visit_rows<kMaxRows<Fmt, S>>(rows_with_room(balanced_rows(d.N, warps, kMaxRows<Fmt, S>), wanted, slots_of, 0), [&](auto rc) {
       const int room = token_slots<Fmt, W>(d.K, d.T, kFixedSmemBytes<Fmt, decltype(rc)::value, W, S>);
       const int slots = wanted > 1 ? even_slots(wanted, room) : room;
       if (slots < min_slots) return;
