@@ -130,10 +130,11 @@ ffi::Error qmatmul_id_typed(const QDims& d, int32_t ggml_type, const XT* x, cons
 }
 
 ffi::Error QMatmulIdCpu(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer ids, ffi::Result<ffi::AnyBuffer> y,
-                        int32_t ggml_type) {
+                        int32_t ggml_type, int32_t groups) {
   QDims d;
   if (auto e = check_qdims(x, w, ggml_type, true, &d); e.failure()) return e;
   if (auto e = check_ids(ids, &d); e.failure()) return e;
+  if (auto e = check_groups(d, groups); e.failure()) return e;  // the ids say the same: the CPU reads them
   const auto* wp = static_cast<const uint8_t*>(w.untyped_data());
   const auto* ip = static_cast<const int32_t*>(ids.untyped_data());
   auto* yp = static_cast<float*>(y->untyped_data());
@@ -226,7 +227,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DsparkQMatmulI8ModelCpu, dspark::QMatmulI8ModelCpu
 DSPARK_EXPORT XLA_FFI_Error* DsparkQMatmulIdCpu(XLA_FFI_CallFrame*);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DsparkQMatmulIdCpu, dspark::QMatmulIdCpu,
                               ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>().Attr<int32_t>("ggml_type"));
+                                  .Ret<ffi::AnyBuffer>().Attr<int32_t>("ggml_type").Attr<int32_t>("groups"));
 
 DSPARK_EXPORT XLA_FFI_Error* DsparkHcPreCpu(XLA_FFI_CallFrame*);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DsparkHcPreCpu, dspark::HcPreCpu,

@@ -56,6 +56,16 @@ inline ffi::Error check_ids(const ffi::AnyBuffer& ids, QDims* d) {
   return ffi::Error::Success();
 }
 
+// `groups` of a qmatmul_id call: 0, or G > 0 for a grouped projection, whose ids are p mod G for slot p of T = G · T'
+// rows, one id each (the GPU may then take the tensor-core kernel, which does not read them).
+inline ffi::Error check_groups(const QDims& d, int32_t groups) {
+  if (groups < 0 || (groups > 0 && (d.E != groups || d.k != 1 || d.T % groups != 0)))
+    return arg_error("qmatmul_id: groups = " + std::to_string(groups) + " needs E = groups, ids [T, 1] and T a multiple "
+                     "of groups (got E = " + std::to_string(d.E) + ", k = " + std::to_string(d.k) + ", T = " +
+                     std::to_string(d.T) + ")");
+  return ffi::Error::Success();
+}
+
 // HC sizes: streams [T, n, D] (f32 | bf16), fn [M, n*D] (f32 | f16 | bf16), base [M], scale [3].
 struct HcDims {
   int64_t T = 0, n = 0, D = 0, M = 0;

@@ -323,9 +323,9 @@ ffi::Error QMatmulGpu(gpuStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ff
 
 template <class XT>
 void launch_qmatmul_id(gpuStream_t stream, const QDims& d, int32_t type, const uint8_t* w, const void* x,
-                       const int32_t* ids, float* y) {
+                       const int32_t* ids, int32_t groups, float* y) {
   if (i8math::visit_i8_format(type, [&](auto fmt) {
-        return i8::launch_qmatmul_id<decltype(fmt)>(stream, d, w, x, std::is_same_v<XT, bf16_t>, ids, y);
+        return i8::launch_qmatmul_id<decltype(fmt)>(stream, d, w, x, std::is_same_v<XT, bf16_t>, ids, groups, y);
       }))
     return;
   const auto* xp = static_cast<const XT*>(x);
@@ -339,17 +339,19 @@ void launch_qmatmul_id(gpuStream_t stream, const QDims& d, int32_t type, const u
 }
 
 ffi::Error QMatmulIdGpu(gpuStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer ids,
-                        ffi::Result<ffi::AnyBuffer> y, int32_t ggml_type) {
+                        ffi::Result<ffi::AnyBuffer> y, int32_t ggml_type, int32_t groups) {
   QDims d;
   if (auto e = check_qdims(x, w, ggml_type, true, &d); e.failure()) return e;
   if (auto e = check_ids(ids, &d); e.failure()) return e;
+  if (auto e = check_groups(d, groups); e.failure()) return e;
   if (d.T * d.k > 65535) return arg_error("qmatmul_id: T*k must be <= 65535");
   if (d.T == 0 || d.k == 0 || d.N == 0) return ffi::Error::Success();
   const auto* wp = static_cast<const uint8_t*>(w.untyped_data());
   const auto* ip = static_cast<const int32_t*>(ids.untyped_data());
   auto* yp = static_cast<float*>(y->untyped_data());
-  if (x.element_type() == ffi::DataType::BF16) launch_qmatmul_id<bf16_t>(stream, d, ggml_type, wp, x.untyped_data(), ip, yp);
-  else launch_qmatmul_id<float>(stream, d, ggml_type, wp, x.untyped_data(), ip, yp);
+  if (x.element_type() == ffi::DataType::BF16)
+    launch_qmatmul_id<bf16_t>(stream, d, ggml_type, wp, x.untyped_data(), ip, groups, yp);
+  else launch_qmatmul_id<float>(stream, d, ggml_type, wp, x.untyped_data(), ip, groups, yp);
   return launch_error();
 }
 
@@ -501,7 +503,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DSPARK_GPU_SYMBOL(DsparkQMatmul), dspark::QMatmulG
 DSPARK_EXPORT XLA_FFI_Error* DSPARK_GPU_SYMBOL(DsparkQMatmulId)(XLA_FFI_CallFrame*);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DSPARK_GPU_SYMBOL(DsparkQMatmulId), dspark::QMatmulIdGpu,
                               DSPARK_GPU_BIND.Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>().Attr<int32_t>("ggml_type"),
+                                  .Ret<ffi::AnyBuffer>().Attr<int32_t>("ggml_type").Attr<int32_t>("groups"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 DSPARK_EXPORT XLA_FFI_Error* DSPARK_GPU_SYMBOL(DsparkHcPre)(XLA_FFI_CallFrame*);

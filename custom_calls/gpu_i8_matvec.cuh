@@ -396,11 +396,12 @@ __device__ void warp_rows(RowStream<Fmt, R, S>& rows, const XSource& xs, const i
   gpu_syncwarp();
 }
 
-// A dense call's token tile: grid row blockIdx.y takes tokens blockIdx.y · slots.. of T. Writes their indices to
-// rows[0..kMaxCols) (the caller's barrier publishes them) and returns how many there are.
-__device__ __forceinline__ int token_tile(int64_t T, int slots, int* rows) {
+// A dense call's token tile: grid row blockIdx.y takes tokens blockIdx.y · slots.. of T. Writes the rows of x
+// and y that they read and write to rows[0..kMaxCols) (the caller's barrier publishes them) and returns how many
+// tokens there are. Token t is row t, or row t · groups + group of a grouped projection's [T, groups] rows.
+__device__ __forceinline__ int token_tile(int64_t T, int slots, int* rows, int groups = 1, int group = 0) {
   const int64_t t0 = (int64_t)blockIdx.y * slots;
-  if (threadIdx.x < kMaxCols) rows[threadIdx.x] = (int)(t0 + threadIdx.x);
+  if (threadIdx.x < kMaxCols) rows[threadIdx.x] = (int)((t0 + threadIdx.x) * groups + group);
   return (int)(T - t0 < slots ? T - t0 : slots);
 }
 
@@ -601,8 +602,9 @@ inline int even_slots(int64_t tokens, int slots) {
 // at most `extra` passes more than one row per group (`slots_of(R)` slots per pass): more rows per group share
 // each activation load, but a pass costs the weights' decode again. The MoE kernel's passes run one after another
 // on the same CTAs (extra 0); a dense call's token tiles run side by side on a split grid, each CTA staging fewer
-// tokens, so one tile more is cheaper than one row per group (extra 1; kernel run 20: 8192 -> 4096 at T = 5 in
-// two tiles of two rows per group instead of one tile of one, 31.7 -> 27.5 us for Q8_0, 31.2 -> 26.5 for IQ2_XXS).
+// tokens, so one tile more is cheaper than one row per group (extra 1; kernel run 20: 8192 -> 4096 at T = 5 as
+// two tiles with two rows per group instead of one tile with one, 31.7 -> 27.5 us for Q8_0, 31.2 -> 26.5 for
+// IQ2_XXS).
 template <class F>
 int rows_with_room(int R, int64_t tokens, F&& slots_of, int64_t extra) {
   const int64_t one = passes(tokens, slots_of(1));
@@ -719,7 +721,8 @@ Args args_for(const QDims& d, const uint8_t* w, float* y) {
 // call whose rows need fewer wide CTAs than the device has SMs, which takes two CTAs of kWarps and so spreads
 // its rows over all SMs (attn_a at T = 1 as 64 wide CTAs: 6.0 -> 6.4 us).
 template <class Fmt>
-bool launch_qmma(gpuStream_t stream, const QDims& d, const uint8_t* w, const void* x, bool bf16, float* y);
+bool launch_qmma(gpuStream_t stream, const QDims& d, const uint8_t* w, const void* x, bool bf16, float* y,
+                 int64_t groups = 1);
 
 template <class Fmt>
 bool launch_qmatmul(gpuStream_t stream, const QDims& d, const uint8_t* w, const void* x, bool bf16, float* y) {
@@ -770,10 +773,13 @@ bool launch_qmatmul(gpuStream_t stream, const QDims& d, const uint8_t* w, const 
 // tokens: one CTA of kWideWarps per SM (its slots room for twice the tokens, staged once per SM),
 // kSubPerLaneMany sub-blocks per lane, rows per group that cost no extra pass (kernel run 11: DS4's grouped
 // output projection at T = 4 33.7 -> 24.2 us for Q8_0, 30.3 -> 23.7 for IQ2_XXS, from two passes per group on
-// 8-warp CTAs).
+// 8-warp CTAs). A grouped projection (groups > 0: ids[p] = p mod groups, as `qmatmul_grouped` builds them) of
+// several tokens per group goes to the tensor-core kernel first, where that takes it (gpu_i8_mma.cuh; kernel run
+// 20: DS4's at T = 4 21.6 -> 19.0 us for Q8_0, 19.4 -> 16.9 for IQ2_XXS, at T = 6 27.4 -> 20.2 and 25.8 -> 17.9).
 template <class Fmt>
 bool launch_qmatmul_id(gpuStream_t stream, const QDims& d, const uint8_t* w, const void* x, bool bf16,
-                       const int32_t* ids, float* y) {
+                       const int32_t* ids, int64_t groups, float* y) {
+  if (groups > 0 && launch_qmma<Fmt>(stream, d, w, x, bf16, y, groups)) return true;
   const int P = (int)(d.T * d.k);
   const int busy = (int)std::clamp<int64_t>(d.E, 1, P);  // E = 0: every id invalid, the outputs zeroed
   const int64_t per_expert = std::min<int64_t>(d.T, (P + busy - 1) / busy);

@@ -31,7 +31,7 @@ namespace i8 {
 
 #if defined(__HIPCC__)
 template <class Fmt>
-bool launch_qmma(gpuStream_t, const QDims&, const uint8_t*, const void*, bool, float*) {
+bool launch_qmma(gpuStream_t, const QDims&, const uint8_t*, const void*, bool, float*, int64_t) {
   return false;
 }
 #else
@@ -211,7 +211,9 @@ int64_t mma_smem_bytes(int64_t K) {
          NT * x_token_bytes(K, false) + kMmaPartialBytes<NT>;
 }
 
-// Grid (persistent CTAs over the row tiles, token tiles of `slots` <= NT tokens).
+// Grid (persistent CTAs over the row tiles, token tiles of `slots` <= NT tokens, groups). T tokens times a.w, or,
+// with gridDim.z = G groups, a grouped projection: token t's row t · G + g of x times matrix g of a.w ([G, N]
+// rows) into row t · G + g of y.
 template <class Fmt, int NT>
 __global__ void __launch_bounds__(kMmaThreads, 1) qmma_kernel(Args a, const void* __restrict__ x, bool bf16, int64_t T,
                                                               int slots) {
@@ -222,11 +224,12 @@ __global__ void __launch_bounds__(kMmaThreads, 1) qmma_kernel(Args a, const void
   TableFill<Fmt, kMmaWarps> tables;
   tables.load();
   const int row_tiles = (int)((a.N + kMmaRows - 1) / kMmaRows);
+  a.w += (int64_t)blockIdx.z * a.N * a.row_bytes;
   uint8_t* ring = smem + Sub<Fmt>::kTableBytes;
   Stream rows(a, ring, (int)blockIdx.x, (int)gridDim.x, row_tiles);
   rows.start();
   const Tables tab = tables.store(smem);
-  const int ncols = token_tile(T, slots, s_rows);
+  const int ncols = token_tile(T, slots, s_rows, (int)gridDim.z, (int)blockIdx.z);
   __syncthreads();
   uint8_t* xdst = ring + C::kStages * Stream::kStageBytes;
   const XView xv = stage_x<kMmaWarps, false, SubBlockMajor<NT>>(XSource{x, bf16, a.K, s_rows, ncols, NT, xdst});
@@ -311,17 +314,21 @@ inline bool mma_pays(int64_t T, int64_t K, int64_t row_tiles, int64_t tiles) {
   return T >= 5 || (K >= 4096 && row_tiles >= 64);
 }
 
-// Launches the tensor-core kernel for a dense call of T >= 2 tokens; false (nothing launched) when it does not
-// take the call: another format, rows the 16-byte copies cannot read, not even 4 tokens' activations fit, or
-// (unless forced) the matvec is faster there (mma_pays). Token tiles (grid y) of up to 8 tokens, or 4 where 8
-// do not fit, split evenly.
+// Launches the tensor-core kernel for a call of T >= 2 tokens: dense (groups = 1: x [T, K], w [N] rows), or a
+// grouped projection (x [T · groups, K], w [groups, N] rows, d.T = T · groups); false (nothing launched) when it
+// does not take the call: another format, rows the 16-byte copies cannot read, not even 4 tokens' activations
+// fit, or (unless forced) the matvec is faster there (mma_pays, counting the row tiles of every group). Token
+// tiles (grid y) of up to 8 tokens, or 4 where 8 do not fit, split evenly; the SMs split evenly among the
+// (token tile, group) pairs (grid z: groups).
 template <class Fmt>
-bool launch_qmma(gpuStream_t stream, const QDims& d, const uint8_t* w, const void* x, bool bf16, float* y) {
+bool launch_qmma(gpuStream_t stream, const QDims& d, const uint8_t* w, const void* x, bool bf16, float* y,
+                 int64_t groups) {
   if constexpr (!kHasMma<Fmt>) {
     return false;
   } else {
     const MmaMode mode = mma_mode();
-    if (d.T < 2 || mode == MmaMode::kOff || copy_width(w, d.row_bytes, MmaChunk<Fmt>::kBytes) != 16) return false;
+    const int64_t T = d.T / groups;
+    if (T < 2 || mode == MmaMode::kOff || copy_width(w, d.row_bytes, MmaChunk<Fmt>::kBytes) != 16) return false;
     const int64_t row_tiles = (d.N + kMmaRows - 1) / kMmaRows;
     const int sms = sm_count();
     const auto launch = [&](auto ntc) {
@@ -329,16 +336,16 @@ bool launch_qmma(gpuStream_t stream, const QDims& d, const uint8_t* w, const voi
       constexpr auto kKernel = qmma_kernel<Fmt, NT>;
       const int64_t smem = mma_smem_bytes<Fmt, NT>(d.K);
       if (smem + (int64_t)kMaxCols * 4 > smem_optin()) return false;
-      const int64_t tiles = (d.T + NT - 1) / NT;
-      if (mode == MmaMode::kAuto && !mma_pays(d.T, d.K, row_tiles, tiles)) return false;
+      const int64_t tiles = (T + NT - 1) / NT;
+      if (mode == MmaMode::kAuto && !mma_pays(T, d.K, groups * row_tiles, tiles)) return false;
       (void)resident_ctas<kKernel, kMmaWarps>((int)smem);  // raises the kernel's shared-memory limit once
-      const int64_t ctas = std::clamp<int64_t>(sms / tiles, 1, row_tiles);
-      const int slots = (int)((d.T + tiles - 1) / tiles);
-      kKernel<<<dim3((unsigned)ctas, (unsigned)tiles), kMmaThreads, (int)smem, stream>>>(
-          Args{w, y, d.N, d.K, d.row_bytes, 16}, x, bf16, d.T, slots);
+      const int64_t ctas = std::clamp<int64_t>(sms / (tiles * groups), 1, row_tiles);
+      const int slots = (int)((T + tiles - 1) / tiles);
+      kKernel<<<dim3((unsigned)ctas, (unsigned)tiles, (unsigned)groups), kMmaThreads, (int)smem, stream>>>(
+          Args{w, y, d.N, d.K, d.row_bytes, 16}, x, bf16, T, slots);
       return true;
     };
-    return (d.T > 4 && launch(std::integral_constant<int, 8>{})) || launch(std::integral_constant<int, 4>{});
+    return (T > 4 && launch(std::integral_constant<int, 8>{})) || launch(std::integral_constant<int, 4>{});
   }
 }
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import _ctypes
 import functools
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -247,11 +248,27 @@ def test_qmatmul_grouped_equals_one_call_per_group(device, ggml_type):
             assert_matches_dense(got[:, j], x[:, j], dense[j])
 
 
+def test_qmatmul_id_refuses_groups_its_ids_cannot_be(device):
+    """`groups` = G promises ids[p] = p mod G (the GPU may not read them), so the op refuses a G that the
+    shapes contradict: E other than G, several ids per row, rows not a multiple of G, a negative G."""
+    rng = np.random.default_rng(15)
+    w = random_packed(rng, GGMLType.Q8_0, (3, 5), 64)
+    x = rng.standard_normal((6, 64)).astype(np.float32)
+    for rows, per_row, groups in ((6, 1, 2), (6, 2, 3), (4, 1, 3), (6, 1, -1)):
+        ids = (np.arange(rows * per_row).reshape(rows, per_row) % 3).astype(np.int32)
+        with pytest.raises(jax.errors.JaxRuntimeError, match=f"groups = {groups} needs E = groups"):
+            kernels.ffi.qmatmul_id(*_put(device, x[:rows], w, ids), int(GGMLType.Q8_0), groups).block_until_ready()
+    ids = (np.arange(6) % 3).astype(np.int32)[:, None]
+    got = kernels.ffi.qmatmul_id(*_put(device, x, w, ids), int(GGMLType.Q8_0), 3)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(kernels.ffi.qmatmul_id(*_put(device, x, w, ids),
+                                                                                     int(GGMLType.Q8_0))))
+
+
 @pytest.mark.parametrize("ggml_type", INT_PATH_TYPES, ids=lambda t: t.name)
 def test_qmatmul_grouped_ds4_output_shape(device, ggml_type):
-    """DS4's grouped output projection (8 groups of 4096 -> 1024) at T = 4: on GPU every group serves all four
-    tokens in one pass on 16-warp CTAs (one-token calls take 8-warp CTAs and two sub-blocks per lane); each
-    token's rows equal its 1-token call, and numpy."""
+    """DS4's grouped output projection (8 groups of 4096 -> 1024) at T = 4: on GPU the tensor-core kernel takes
+    Q8_0 and IQ2_XXS, the MoE kernel's 16-warp CTAs Q2_K (one-token calls its 8-warp CTAs); each token's rows
+    equal its 1-token call, and numpy."""
     rng = np.random.default_rng(13)
     g, n, k = 8, 1024, 4096
     w = random_packed(rng, ggml_type, (g, n), k)
@@ -463,18 +480,44 @@ def test_gpu_dense_calls_of_several_tokens_equal_the_model(cpu_device, ggml_type
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("ggml_type, groups, n, k", [
+    (GGMLType.Q8_0, 3, 37, 256), (GGMLType.Q8_0, 2, 300, 4096), (GGMLType.Q8_0, 8, 256, 4096),
+    (GGMLType.IQ2_XXS, 3, 37, 2048), (GGMLType.IQ2_XXS, 2, 100, 8192), (GGMLType.IQ2_XXS, 8, 256, 4096),
+], ids=lambda v: v.name if isinstance(v, GGMLType) else str(v))
+def test_gpu_grouped_calls_of_several_tokens_equal_the_model(cpu_device, ggml_type, groups, n, k):
+    """Grouped projections of 2-8, 12 and 17 tokens, each group its own activations, give the CPU model's bits
+    for every (token, group). 8 groups of 256 rows at K = 4096 (64 tiles of 32 rows) take the tensor-core kernel
+    by default from T = 4 (mma_pays), the other shapes the MoE kernel; forced (the next test), all of them."""
+    dev = _gpu_device()
+    if dev is None or not kernels.ffi.available("gpu"):
+        pytest.skip("needs a GPU and the CUDA plugin")
+    rng = np.random.default_rng(14)
+    w = random_packed(rng, ggml_type, (groups, n), k)
+    wd = jax.device_put(w, dev)
+    x = rng.standard_normal((17, groups, k)).astype(np.float32)
+    model = [np.asarray(_i8_model(*_put(cpu_device, x[:, g], w[g]), int(ggml_type))) for g in range(groups)]
+    for t_rows in (2, 3, 4, 5, 8, 12, 17):
+        got = np.asarray(kernels.qmatmul_grouped(jax.device_put(x[:t_rows], dev), wd, ggml_type, backend="ffi"))
+        for g in range(groups):
+            np.testing.assert_array_equal(got[:, g], model[g][:t_rows], err_msg=f"T = {t_rows}, group {g}")
+
+
+@pytest.mark.gpu
 def test_gpu_tensor_core_kernel_equals_the_model_in_every_geometry():
-    """The test above in a pytest subprocess with DSPARKJAX_GPU_MMA=force (read once per process): each of its
-    shapes and widths on the tensor-core kernel (gpu_i8_mma.cuh) gives the CPU model's bits."""
+    """The two tests above in a pytest subprocess with DSPARKJAX_GPU_MMA=force (read once per process): each of
+    their shapes and widths on the tensor-core kernel (gpu_i8_mma.cuh) gives the CPU model's bits. The run must
+    end in "N passed" alone: a skipped or failed case fails this test."""
     if os.environ.get("DSPARKJAX_GPU_MMA") == "force":
         pytest.skip("this process is the forced run")
     if _gpu_device() is None or not kernels.ffi.available("gpu"):
         pytest.skip("needs a GPU and the CUDA plugin")
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-         f"{__file__}::test_gpu_dense_calls_of_several_tokens_equal_the_model"],
+         f"{__file__}::test_gpu_dense_calls_of_several_tokens_equal_the_model",
+         f"{__file__}::test_gpu_grouped_calls_of_several_tokens_equal_the_model"],
         env=dict(os.environ, DSPARKJAX_GPU_MMA="force"), capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0 and "8 passed" in run.stdout, run.stdout[-4000:] + run.stderr[-4000:]
+    passed_alone = re.search(r"^\d+ passed in ", run.stdout, re.MULTILINE)
+    assert run.returncode == 0 and passed_alone, run.stdout[-4000:] + run.stderr[-4000:]
 
 
 @pytest.mark.gpu

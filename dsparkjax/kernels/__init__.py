@@ -74,6 +74,13 @@ def qmatmul_id(
     x float32|bfloat16 `[T, K]`, w_packed uint8 `[E, N, row_bytes]`, ids int32 `[T, k]` -> float32 `[T, k, N]`.
     The GPU kernel reads each selected expert once per call, however many tokens chose it.
     """
+    return _qmatmul_id(x, w_packed, ids, ggml_type, backend=backend, groups=0)
+
+
+def _qmatmul_id(
+    x: jax.Array, w_packed: jax.Array, ids: jax.Array, ggml_type: int, *, backend: str | None, groups: int
+) -> jax.Array:
+    """`qmatmul_id`; groups > 0 tells the FFI op that ids[p] = p mod groups (a grouped projection)."""
     _check_2d("x", x)
     _check_2d("ids", ids)
     if w_packed.ndim != 3:
@@ -81,8 +88,9 @@ def qmatmul_id(
     if ids.shape[0] != x.shape[0]:
         raise DsparkError(f"ids {ids.shape} and x {x.shape} disagree on T")
     check_row_bytes(ggml_type, x.shape[1], w_packed.shape[2])
-    impl = ffi if _use_ffi(backend) else reference
-    return impl.qmatmul_id(x, w_packed, ids.astype("int32"), int(ggml_type))
+    if _use_ffi(backend):
+        return ffi.qmatmul_id(x, w_packed, ids.astype("int32"), int(ggml_type), groups)
+    return reference.qmatmul_id(x, w_packed, ids.astype("int32"), int(ggml_type))
 
 
 def qmatmul_grouped(
@@ -93,13 +101,14 @@ def qmatmul_grouped(
     x float32|bfloat16 `[T, G, K]`, w_packed uint8 `[G, N, row_bytes]` -> float32 `[T, G, N]`. It is the MoE
     op with each (token, group) row choosing expert g, so the G matrices are read once per call in one
     launch instead of G launches of a G-times smaller matmul (a decode step's grouped output projection).
-    Each output is computed as by `qmatmul_id`, so it stays batch invariant.
+    Each output is computed as by `qmatmul_id`, so it stays batch invariant; the GPU may take the dense calls'
+    tensor-core kernel for several tokens per group, which gives the same bits.
     """
     if x.ndim != 3 or w_packed.ndim != 3 or x.shape[1] != w_packed.shape[0]:
         raise DsparkError(f"qmatmul_grouped: x {x.shape} must be [T, G, K] and w_packed {w_packed.shape} [G, N, row_bytes]")
     t, g, k = x.shape
     ids = jnp.tile(jnp.arange(g, dtype=jnp.int32), t).reshape(t * g, 1)
-    y = qmatmul_id(x.reshape(t * g, k), w_packed, ids, ggml_type, backend=backend)
+    y = _qmatmul_id(x.reshape(t * g, k), w_packed, ids, ggml_type, backend=backend, groups=g)
     return y.reshape(t, g, -1)
 
 

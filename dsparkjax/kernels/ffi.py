@@ -146,10 +146,14 @@ def qmatmul(x: jax.Array, w_packed: jax.Array, ggml_type: int) -> jax.Array:
     return _call("dspark_qmatmul", out, x, w_packed, ggml_type=np.int32(ggml_type))
 
 
-def qmatmul_id(x: jax.Array, w_packed: jax.Array, ids: jax.Array, ggml_type: int) -> jax.Array:
-    """FFI MoE matmul: x `[T, K]`, w_packed uint8 `[E, N, row_bytes]`, ids int32 `[T, k]` -> f32 `[T, k, N]`."""
+def qmatmul_id(x: jax.Array, w_packed: jax.Array, ids: jax.Array, ggml_type: int, groups: int = 0) -> jax.Array:
+    """FFI MoE matmul: x `[T, K]`, w_packed uint8 `[E, N, row_bytes]`, ids int32 `[T, k]` -> f32 `[T, k, N]`.
+
+    `groups` = G > 0 declares a grouped projection: E = G, k = 1 and ids[p] = p mod G (as `qmatmul_grouped`
+    builds them), which the GPU may run on its tensor-core kernel for several tokens per group (same bits).
+    """
     out = jax.ShapeDtypeStruct((x.shape[0], ids.shape[1], w_packed.shape[1]), jnp.float32)
-    return _call("dspark_qmatmul_id", out, x, w_packed, ids, ggml_type=np.int32(ggml_type))
+    return _call("dspark_qmatmul_id", out, x, w_packed, ids, ggml_type=np.int32(ggml_type), groups=np.int32(groups))
 
 
 def qmatmul_i8_model(x: jax.Array, w_packed: jax.Array, ggml_type: int) -> jax.Array:
