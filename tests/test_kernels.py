@@ -506,7 +506,7 @@ def test_gpu_grouped_calls_of_several_tokens_equal_the_model(cpu_device, ggml_ty
 def test_gpu_tensor_core_kernel_equals_the_model_in_every_geometry():
     """The two tests above in a pytest subprocess with DSPARKJAX_GPU_MMA=force (read once per process): each of
     their shapes and widths on the tensor-core kernel (gpu_i8_mma.cuh) gives the CPU model's bits. The run must
-    end in "N passed" alone: a skipped or failed case fails this test."""
+    end in "N passed" (warnings allowed): a skipped, failed or deselected case fails this test."""
     if os.environ.get("DSPARKJAX_GPU_MMA") == "force":
         pytest.skip("this process is the forced run")
     if _gpu_device() is None or not kernels.ffi.available("gpu"):
@@ -516,7 +516,7 @@ def test_gpu_tensor_core_kernel_equals_the_model_in_every_geometry():
          f"{__file__}::test_gpu_dense_calls_of_several_tokens_equal_the_model",
          f"{__file__}::test_gpu_grouped_calls_of_several_tokens_equal_the_model"],
         env=dict(os.environ, DSPARKJAX_GPU_MMA="force"), capture_output=True, text=True, timeout=900)
-    passed_alone = re.search(r"^\d+ passed in ", run.stdout, re.MULTILINE)
+    passed_alone = re.search(r"^\d+ passed(, \d+ warnings?)? in ", run.stdout, re.MULTILINE)
     assert run.returncode == 0 and passed_alone, run.stdout[-4000:] + run.stderr[-4000:]
 
 
