@@ -558,15 +558,17 @@ def test_gpu_expert_major_moe_equals_its_model(cpu_device, ggml_type, experts, c
 HC = {"iters": 20, "hc_eps": 1e-6, "norm_eps": 1e-6}
 
 
-def _hc_inputs(rng: np.random.Generator, t_rows: int):
-    return synthetic.random_hc_inputs(rng, t_rows, 4, 96)
+def _hc_inputs(rng: np.random.Generator, t_rows: int, n: int = 4):
+    return synthetic.random_hc_inputs(rng, t_rows, n, 96)
 
 
 @pytest.mark.parametrize("dtypes", ["f32", "bf16_streams_f16_fn"])
-@pytest.mark.parametrize("t_rows", [1, 3, 8])
-def test_hc_pre_matches_model_reference(device, t_rows, dtypes):
+@pytest.mark.parametrize("t_rows, n", [(1, 4), (3, 4), (8, 4), (3, 6), (2, 8)])
+def test_hc_pre_matches_model_reference(device, t_rows, n, dtypes):
+    """hc_pre against the model's jnp code, for DS4's 4 streams and for 6 and 8 (the most the kernels take: comb
+    matrices of 36 and 64 elements, more than a warp has lanes)."""
     rng = np.random.default_rng(t_rows)
-    streams, fn, base, scale = _hc_inputs(rng, t_rows)
+    streams, fn, base, scale = _hc_inputs(rng, t_rows, n)
     if dtypes != "f32":
         streams = np.asarray(jnp.asarray(streams, jnp.bfloat16))
         fn = fn.astype(np.float16)
