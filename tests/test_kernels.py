@@ -32,13 +32,6 @@ TYPES = sorted(kernels.KERNEL_TYPES)
 INT_PATH_TYPES = [GGMLType.Q8_0, GGMLType.Q2_K, GGMLType.IQ2_XXS]  # the formats of the GPU integer path
 
 
-def _gpu_device() -> jax.Device | None:
-    try:
-        return jax.devices("gpu")[0]
-    except RuntimeError:
-        return None
-
-
 @pytest.fixture
 def cpu_device() -> jax.Device:
     """The CPU, whose plugin must be loaded (it also serves GPU tests' CPU-side oracles)."""
@@ -47,16 +40,21 @@ def cpu_device() -> jax.Device:
     return jax.devices("cpu")[0]
 
 
+@pytest.fixture
+def gpu_device() -> jax.Device:
+    """The GPU, whose plugin must be loaded; the test is skipped where either is missing."""
+    try:
+        dev = jax.devices("gpu")[0]
+    except RuntimeError:
+        pytest.skip("no GPU visible to JAX")
+    if not kernels.ffi.available("gpu"):
+        pytest.skip(f"CUDA plugin not loaded: {kernels.ffi._STATUS['gpu']}")
+    return dev
+
+
 @pytest.fixture(params=["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
 def device(request) -> jax.Device:
-    if request.param == "gpu":
-        dev = _gpu_device()
-        if dev is None:
-            pytest.skip("no GPU visible to JAX")
-        if not kernels.ffi.available("gpu"):
-            pytest.skip(f"CUDA plugin not loaded: {kernels.ffi._STATUS['gpu']}")
-        return dev
-    return request.getfixturevalue("cpu_device")
+    return request.getfixturevalue(f"{request.param}_device")
 
 
 def random_packed(rng: np.random.Generator, t: GGMLType, rows: tuple[int, ...], k: int) -> np.ndarray:
@@ -428,27 +426,24 @@ def test_i8_model_rejects_what_the_integer_path_does_not_serve(cpu_device):
 @pytest.mark.parametrize("ggml_type", INT_PATH_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("n, k", [(37, 1536), (300, 4096), (1059, 2048), (4100, 2048)],
                          ids=["partial_chunk", "ds4_k", "many_rows", "tensor_cores"])
-def test_gpu_integer_path_equals_its_model(cpu_device, ggml_type, n, k):
+def test_gpu_integer_path_equals_its_model(gpu_device, cpu_device, ggml_type, n, k):
     """The GPU's dense, MoE and grouped calls give the CPU model's bits for every row and token (T = 1, 4, 8):
     the integer path computes what cpu_i8_model.h says, in every launch geometry these shapes take (4100 rows:
     dense calls of 8 Q8_0 or IQ2_XXS tokens on the tensor-core kernel by default)."""
-    dev = _gpu_device()
-    if dev is None or not kernels.ffi.available("gpu"):
-        pytest.skip("needs a GPU and the CUDA plugin")
     rng = np.random.default_rng(10)
     w = random_packed(rng, ggml_type, (3, n), k)
     x = rng.standard_normal((8, k)).astype(np.float32)
     model = [np.asarray(_i8_model(*_put(cpu_device, x, w[e]), int(ggml_type))) for e in range(3)]
-    wd = jax.device_put(w, dev)
+    wd = jax.device_put(w, gpu_device)
     for t_rows in (1, 4, 8):
-        xd = jax.device_put(x[:t_rows], dev)
+        xd = jax.device_put(x[:t_rows], gpu_device)
         np.testing.assert_array_equal(np.asarray(_qmatmul(xd, wd[1], ggml_type, "ffi")), model[1][:t_rows])
         ids = np.stack([np.arange(t_rows) % 3, (np.arange(t_rows) + 1) % 3], axis=1).astype(np.int32)
-        got = np.asarray(_qmatmul_id(xd, wd, jax.device_put(ids, dev), ggml_type, "ffi"))
+        got = np.asarray(_qmatmul_id(xd, wd, jax.device_put(ids, gpu_device), ggml_type, "ffi"))
         for t in range(t_rows):
             for j in range(2):
                 np.testing.assert_array_equal(got[t, j], model[ids[t, j]][t])
-        grouped = np.asarray(kernels.qmatmul_grouped(jax.device_put(np.repeat(x[:t_rows, None], 3, 1), dev), wd,
+        grouped = np.asarray(kernels.qmatmul_grouped(jax.device_put(np.repeat(x[:t_rows, None], 3, 1), gpu_device), wd,
                                                      ggml_type, backend="ffi"))
         for g in range(3):
             np.testing.assert_array_equal(grouped[:, g], model[g][:t_rows])
@@ -460,22 +455,19 @@ def test_gpu_integer_path_equals_its_model(cpu_device, ggml_type, n, k):
     (GGMLType.IQ2_XXS, 37, 2048), (GGMLType.IQ2_XXS, 300, 6144), (GGMLType.IQ2_XXS, 1059, 4096),
     (GGMLType.IQ2_XXS, 33, 8192),
 ], ids=lambda v: v.name if isinstance(v, GGMLType) else str(v))
-def test_gpu_dense_calls_of_several_tokens_equal_the_model(cpu_device, ggml_type, n, k):
+def test_gpu_dense_calls_of_several_tokens_equal_the_model(gpu_device, cpu_device, ggml_type, n, k):
     """Dense calls of 2-8, 12 and 17 tokens (one to three token tiles), float32 and bfloat16, give the CPU model's
     bits: rows past a tile's end, K below, at and past one chunk, K = 8192 (where 8 tokens do not fit one tile).
     The default routes take the matvec for all of these shapes (fewer than 48 tiles of 32 rows, mma_pays); under
     DSPARKJAX_GPU_MMA=force (the next test) every one of them runs on the tensor-core kernel."""
-    dev = _gpu_device()
-    if dev is None or not kernels.ffi.available("gpu"):
-        pytest.skip("needs a GPU and the CUDA plugin")
     rng = np.random.default_rng(12)
     w = random_packed(rng, ggml_type, (n,), k)
-    wd, wc = jax.device_put(w, dev), jax.device_put(w, cpu_device)
+    wd, wc = jax.device_put(w, gpu_device), jax.device_put(w, cpu_device)
     for dtype in (jnp.float32, jnp.bfloat16):
         x = np.asarray(jnp.asarray(rng.standard_normal((17, k)), dtype))
         model = np.asarray(_i8_model(jax.device_put(x, cpu_device), wc, int(ggml_type)))
         for t_rows in (2, 3, 4, 5, 8, 12, 17):
-            got = np.asarray(_qmatmul(jax.device_put(x[:t_rows], dev), wd, ggml_type, "ffi"))
+            got = np.asarray(_qmatmul(jax.device_put(x[:t_rows], gpu_device), wd, ggml_type, "ffi"))
             np.testing.assert_array_equal(got, model[:t_rows], err_msg=f"{dtype.__name__}, T = {t_rows}")
 
 
@@ -484,33 +476,29 @@ def test_gpu_dense_calls_of_several_tokens_equal_the_model(cpu_device, ggml_type
     (GGMLType.Q8_0, 3, 37, 256), (GGMLType.Q8_0, 2, 300, 4096), (GGMLType.Q8_0, 8, 256, 4096),
     (GGMLType.IQ2_XXS, 3, 37, 2048), (GGMLType.IQ2_XXS, 2, 100, 8192), (GGMLType.IQ2_XXS, 8, 256, 4096),
 ], ids=lambda v: v.name if isinstance(v, GGMLType) else str(v))
-def test_gpu_grouped_calls_of_several_tokens_equal_the_model(cpu_device, ggml_type, groups, n, k):
+def test_gpu_grouped_calls_of_several_tokens_equal_the_model(gpu_device, cpu_device, ggml_type, groups, n, k):
     """Grouped projections of 2-8, 12 and 17 tokens, each group its own activations, give the CPU model's bits
     for every (token, group). 8 groups of 256 rows at K = 4096 (64 tiles of 32 rows) take the tensor-core kernel
     by default from T = 4 (mma_pays), the other shapes the MoE kernel; forced (the next test), all of them."""
-    dev = _gpu_device()
-    if dev is None or not kernels.ffi.available("gpu"):
-        pytest.skip("needs a GPU and the CUDA plugin")
     rng = np.random.default_rng(14)
     w = random_packed(rng, ggml_type, (groups, n), k)
-    wd = jax.device_put(w, dev)
+    wd = jax.device_put(w, gpu_device)
     x = rng.standard_normal((17, groups, k)).astype(np.float32)
     model = [np.asarray(_i8_model(*_put(cpu_device, x[:, g], w[g]), int(ggml_type))) for g in range(groups)]
     for t_rows in (2, 3, 4, 5, 8, 12, 17):
-        got = np.asarray(kernels.qmatmul_grouped(jax.device_put(x[:t_rows], dev), wd, ggml_type, backend="ffi"))
+        got = np.asarray(kernels.qmatmul_grouped(jax.device_put(x[:t_rows], gpu_device), wd, ggml_type, backend="ffi"))
         for g in range(groups):
             np.testing.assert_array_equal(got[:, g], model[g][:t_rows], err_msg=f"T = {t_rows}, group {g}")
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("gpu_device")
 def test_gpu_tensor_core_kernel_equals_the_model_in_every_geometry():
     """The two tests above in a pytest subprocess with DSPARKJAX_GPU_MMA=force (read once per process): each of
     their shapes and widths on the tensor-core kernel (gpu_i8_mma.cuh) gives the CPU model's bits. The run must
     end in "N passed" (warnings allowed): a skipped, failed or deselected case fails this test."""
     if os.environ.get("DSPARKJAX_GPU_MMA") == "force":
         pytest.skip("this process is the forced run")
-    if _gpu_device() is None or not kernels.ffi.available("gpu"):
-        pytest.skip("needs a GPU and the CUDA plugin")
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
          f"{__file__}::test_gpu_dense_calls_of_several_tokens_equal_the_model",
@@ -525,26 +513,23 @@ def test_gpu_tensor_core_kernel_equals_the_model_in_every_geometry():
 @pytest.mark.parametrize("experts, chosen, n, k, dtype",
                          [(8, 8, 300, 2048, jnp.float32), (64, 48, 40, 512, jnp.bfloat16)],
                          ids=["several_ctas_per_expert", "one_cta_per_expert"])
-def test_gpu_expert_major_moe_equals_its_model(cpu_device, ggml_type, experts, chosen, n, k, dtype):
+def test_gpu_expert_major_moe_equals_its_model(gpu_device, cpu_device, ggml_type, experts, chosen, n, k, dtype):
     """A MoE call of more slots than twice the resident CTAs, on no more experts than resident CTAs, takes the
     expert-major grid: four experts per token for (SMs + 8) tokens exceeds that for every launch geometry. Each
     slot's row equals the CPU model's, duplicate ids included; invalid ids (-1, E) give zero rows even where a
     previous call left numbers behind; 40 rows make one CTA per expert, and the tokens choose among the first
     `chosen` experts only, so the others' CTAs find no work."""
-    dev = _gpu_device()
-    if dev is None or not kernels.ffi.available("gpu"):
-        pytest.skip("needs a GPU and the CUDA plugin")
     rng = np.random.default_rng(11)
-    t_rows, topk = dev.core_count + 8, 4
+    t_rows, topk = gpu_device.core_count + 8, 4
     w = random_packed(rng, ggml_type, (experts, n), k)
     x = np.asarray(jnp.asarray(rng.standard_normal((t_rows, k)), dtype))
     ids = rng.integers(0, chosen, (t_rows, topk)).astype(np.int32)
     ids[3, 1] = ids[3, 0]  # a token choosing one expert twice
     for (t, j), bad_id in zip([(0, 2), (5, 0), (t_rows - 1, 3)], (-1, experts, -1)):
         ids[t, j] = bad_id
-    xd, wd = jax.device_put(x, dev), jax.device_put(w, dev)
-    _qmatmul_id(xd, wd, jax.device_put(np.abs(ids) % experts, dev), ggml_type, "ffi").block_until_ready()
-    got = np.asarray(_qmatmul_id(xd, wd, jax.device_put(ids, dev), ggml_type, "ffi"))
+    xd, wd = jax.device_put(x, gpu_device), jax.device_put(w, gpu_device)
+    _qmatmul_id(xd, wd, jax.device_put(np.abs(ids) % experts, gpu_device), ggml_type, "ffi").block_until_ready()
+    got = np.asarray(_qmatmul_id(xd, wd, jax.device_put(ids, gpu_device), ggml_type, "ffi"))
     xc = jax.device_put(x, cpu_device)
     model = {e: np.asarray(_i8_model(xc, jax.device_put(w[e], cpu_device), int(ggml_type)))
              for e in {int(e) for e in ids.ravel() if 0 <= e < experts}}
@@ -661,18 +646,17 @@ def test_plugin_ffi_api_not_newer_than_runtime():
     ],
     ids=lambda t: t.name,
 )
-def test_gpu_matvec_bandwidth(ggml_type):
+def test_gpu_matvec_bandwidth(gpu_device, ggml_type):
     """T=1 matvec over a large weight reads at >= 50% of the device copy bandwidth (read + write of 1 GiB).
 
     The time per call is the slope between programs of 2 and 4 calls, each call with its own 0.5 GB weight
     and activations (so no call finds another's weights in L2, even if the GPU overlaps them), so the host's
     dispatch of the program is not counted against the kernel."""
-    dev = _gpu_device()
-    if dev is None or not kernels.ffi.available("gpu"):
-        pytest.skip("needs a GPU and the CUDA plugin")
     n, k = 32768, 16384
-    ws = [jax.device_put(synthetic.random_packed(jax.random.PRNGKey(c), ggml_type, (n,), k), dev) for c in range(4)]
-    xs = [jax.device_put(np.random.default_rng(c).standard_normal((1, k)).astype(np.float32), dev) for c in range(4)]
+    ws = [jax.device_put(synthetic.random_packed(jax.random.PRNGKey(c), ggml_type, (n,), k), gpu_device)
+          for c in range(4)]
+    xs = [jax.device_put(np.random.default_rng(c).standard_normal((1, k)).astype(np.float32), gpu_device)
+          for c in range(4)]
 
     calls = jax.jit(lambda xs, ws: [kernels.qmatmul(x, w, ggml_type, backend="ffi") for x, w in zip(xs, ws)])
     copy_bw = timing.copy_bandwidth(1024, reps=20)
