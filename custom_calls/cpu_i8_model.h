@@ -33,7 +33,7 @@ struct HostTables {
 };
 inline const Tables& host_tables() {
   static const HostTables t;
-  static const Tables tab{t.bytes};
+  static const Tables tab{t.bytes, kPoolLo};
   return tab;
 }
 

@@ -151,6 +151,7 @@ __device__ __forceinline__ XView stage_x(const XSource& src) {
 
 // ---- sub-block decoders (i8_math.h) and the IQ2_XXS tables in shared memory ----
 __device__ const Iq2Selectors kIq2SelectorsDevice = make_iq2_selectors();
+__device__ const uint32_t kPoolLoDevice = kPoolLo;  // Tables::pool_lo's source
 
 // The replicated tables of a CTA of W warps, filled from the device's constant arrays in two steps: `load` reads
 // this thread's selector words (one global round trip, which the kernels start first so that it overlaps the
@@ -159,15 +160,16 @@ __device__ const Iq2Selectors kIq2SelectorsDevice = make_iq2_selectors();
 template <class Fmt, int W, bool = (Sub<Fmt>::kTableBytes > 0)>
 struct TableFill {
   __device__ __forceinline__ void load() {}
-  __device__ __forceinline__ Tables store(uint8_t* smem) const { return Tables{smem}; }
+  __device__ __forceinline__ Tables store(uint8_t* smem) const { return Tables{smem, kPoolLo}; }
 };
 template <class Fmt, int W>
 struct TableFill<Fmt, W, true> {
   static constexpr int kThreads = W * kLanes;
   static constexpr int kGridPer = 256 * 4 / kThreads, kSignPer = 128 * 4 / kThreads;  // 16-byte stores per thread
-  uint32_t g[kGridPer], m[kSignPer];
+  uint32_t g[kGridPer], m[kSignPer], pool_lo;
 
   __device__ __forceinline__ void load() {
+    pool_lo = *static_cast<const volatile uint32_t*>(&kPoolLoDevice);  // volatile: not folded to the constant
 #pragma unroll
     for (int j = 0; j < kGridPer; ++j) g[j] = kIq2SelectorsDevice.grid[(threadIdx.x + j * kThreads) >> 2];
 #pragma unroll
@@ -181,7 +183,7 @@ struct TableFill<Fmt, W, true> {
 #pragma unroll
     for (int j = 0; j < kSignPer; ++j) sign[threadIdx.x + j * kThreads] = make_uint4(m[j], m[j], m[j], m[j]);
     __syncthreads();
-    return Tables{smem + (threadIdx.x & 15) * 4};
+    return Tables{smem + (threadIdx.x & 15) * 4, pool_lo};
   }
 };
 

@@ -157,6 +157,10 @@ constexpr uint32_t kPoolHi = 0x0000D5E7u;  // bytes -25, -43
 
 struct Tables {
   const uint8_t* base;  // the tables, plus this lane's copy offset (lane % 16) * 4
+  // kPoolLo, held in a register for the permutes: the GPU kernels load it from memory, because ptxas otherwise
+  // re-creates the constant before nearly every permute (22 of the IQ2_XXS MoE kernel's 390 instructions per
+  // sub-block of four rows).
+  uint32_t pool_lo;
 };
 
 // The N 4-byte words at byte offset o of p, at any alignment: N + 1 aligned loads, funnel-shifted (staged
@@ -178,8 +182,8 @@ DSPARK_HD void iq2_group(const Tables& tab, uint32_t grid_at, uint32_t sign_at, 
   // nibbles at most 2 + 3: the sum never carries into the next nibble
   const uint32_t sel = *reinterpret_cast<const uint32_t*>(tab.base + grid_at) +
                        *reinterpret_cast<const uint32_t*>(tab.base + kGridBytes + sign_at);
-  lo = byte_select(kPoolLo, kPoolHi, sel);  // reads selector bits 0..15
-  hi = byte_select(kPoolLo, kPoolHi, sel >> 16);
+  lo = byte_select(tab.pool_lo, kPoolHi, sel);  // reads selector bits 0..15
+  hi = byte_select(tab.pool_lo, kPoolHi, sel >> 16);
 }
 // An IQ2_XXS sub-block's scale from its block's d and its second word (the 4-bit scale in bits 28..31).
 DSPARK_HD float iq2_scale(float d, uint32_t a1) { return f32_mul(f32_mul(d, f32_add(0.5f, (float)(a1 >> 28))), 0.25f); }
