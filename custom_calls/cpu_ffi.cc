@@ -177,7 +177,8 @@ ffi::Error HcPreCpu(ffi::AnyBuffer streams, ffi::AnyBuffer fn, ffi::AnyBuffer ba
         for (int64_t r = 0; r < d.M; ++r) m[r] = dot8(xt_, fp + r * F, F) * rs;
         float pre[kMaxHc];
         hc_gates(m, bp, sp, n, iters, hc_eps, pre, pp + t * n, cp + t * n * n);
-        for (int64_t i = 0; i < d.D; ++i) up[t * d.D + i] = hc_collapse(xt_, pre, n, d.D, i);
+        for (int64_t i = 0; i < d.D; ++i)
+          up[t * d.D + i] = hc_collapse(pre, n, [&](int j) { return to_float(xt_[j * d.D + i]); });
       }
     });
   });

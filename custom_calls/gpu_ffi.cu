@@ -394,7 +394,7 @@ __global__ void __launch_bounds__(kHcThreads) hc_mix_kernel(const XT* __restrict
 // orders it. The same per-element functions as the CPU's serial hc_gates, so the bits are the same as a
 // serial run's on this device (run 11: thread 0 alone took 50 us of each of the 1-token step's 12 hc_pre calls).
 // Returns which of the two buffers holds the final comb.
-__device__ int hc_gates_in_block(const float* mix, const float* base, const float* scale, int n, int iters, float eps,
+__device__ __forceinline__ int hc_gates_in_block(const float* mix, const float* base, const float* scale, int n, int iters, float eps,
                                  float* s_pre, float* s_post, float (*s_comb)[kMaxHc * kMaxHc]) {
   const int e = threadIdx.x, nn = n * n;
   if (e < n) {
@@ -411,23 +411,49 @@ __device__ int hc_gates_in_block(const float* mix, const float* base, const floa
   return cur;
 }
 
-// grid (ceil(D/256), T): gates + Sinkhorn (hc_gates_in_block), then u[t, d] for this block's d.
-template <class XT>
+// Calls f(std::integral_constant<int, N>) for the stream count n, 1 <= n <= kMaxHc (check_hc_streams).
+template <int N = 1, class F>
+void visit_hc_streams(int n, F&& f) {
+  if constexpr (N < kMaxHc) {
+    if (n != N) return visit_hc_streams<N + 1>(n, f);
+  }
+  f(std::integral_constant<int, N>{});
+}
+
+// grid (ceil(D/256), T): gates + Sinkhorn (hc_gates_in_block), then u[t, d] for this block's d, for N streams.
+// N is a template argument so that the gates' and the Sinkhorn's loops unroll and their index arithmetic folds:
+// with a runtime n, each of the 39 dependent half-steps ran about a hundred instructions on one warp's critical
+// path (generation run 19: 34.8K cycles, 17.5 µs, for a kernel that moves 64 KB). The functions are the CPU's,
+// so the bits are too. Every read from global memory is issued before the gates: this thread's N stream values
+// into registers, and the token's (2 + N)·N mix and base logits and three scales into shared memory, one
+// element per thread.
+template <class XT, int N>
 __global__ void __launch_bounds__(kHcThreads) hc_collapse_kernel(const XT* __restrict__ x, const float* __restrict__ mix,
                                                                  const float* __restrict__ base, const float* __restrict__ scale,
                                                                  float* __restrict__ u, float* __restrict__ post,
-                                                                 float* __restrict__ comb, int n, int64_t D, int iters,
+                                                                 float* __restrict__ comb, int64_t D, int iters,
                                                                  float hc_eps) {
-  static_assert(kHcThreads >= kMaxHc * kMaxHc, "one thread per comb element");
-  __shared__ float s_pre[kMaxHc], s_post[kMaxHc], s_comb[2][kMaxHc * kMaxHc];
+  constexpr int kLogits = (2 + N) * N;
+  static_assert(kHcThreads >= kLogits, "one thread per logit (and so per comb element)");
+  __shared__ float s_mix[kLogits], s_base[kLogits], s_scale[3];
+  __shared__ float s_pre[N], s_post[N], s_comb[2][kMaxHc * kMaxHc];
   const int64_t t = blockIdx.y;
-  const int cur = hc_gates_in_block(mix + t * (2 + n) * n, base, scale, n, iters, hc_eps, s_pre, s_post, s_comb);
-  if (blockIdx.x == 0) {
-    if (threadIdx.x < n) post[t * n + threadIdx.x] = s_post[threadIdx.x];
-    if (threadIdx.x < n * n) comb[t * n * n + threadIdx.x] = s_comb[cur][threadIdx.x];
-  }
   const int64_t d = (int64_t)blockIdx.x * kHcThreads + threadIdx.x;
-  if (d < D) u[t * D + d] = hc_collapse(x + t * n * D, s_pre, n, D, d);
+  float xs[N];
+#pragma unroll
+  for (int j = 0; j < N; ++j) xs[j] = d < D ? to_float(x[(t * N + j) * D + d]) : 0.0f;
+  if (threadIdx.x < kLogits) {
+    s_mix[threadIdx.x] = mix[t * kLogits + threadIdx.x];
+    s_base[threadIdx.x] = base[threadIdx.x];
+  }
+  if (threadIdx.x < 3) s_scale[threadIdx.x] = scale[threadIdx.x];
+  __syncthreads();
+  const int cur = hc_gates_in_block(s_mix, s_base, s_scale, N, iters, hc_eps, s_pre, s_post, s_comb);
+  if (blockIdx.x == 0) {
+    if (threadIdx.x < N) post[t * N + threadIdx.x] = s_post[threadIdx.x];
+    if (threadIdx.x < N * N) comb[t * N * N + threadIdx.x] = s_comb[cur][threadIdx.x];
+  }
+  if (d < D) u[t * D + d] = hc_collapse(s_pre, N, [&](int j) { return xs[j]; });
 }
 
 template <class XT, class FT>
@@ -457,10 +483,13 @@ ffi::Error HcPreGpu(gpuStream_t stream, ffi::AnyBuffer streams, ffi::AnyBuffer f
       hc_mix_kernel<XT, FT><<<dim3((unsigned)d.M, (unsigned)d.T), kHcThreads, 0, stream>>>(
           xp, static_cast<const FT*>(fn.untyped_data()), mp, d.n * d.D, (int)d.M, norm_eps);
     });
-    hc_collapse_kernel<XT><<<dim3((unsigned)((d.D + kHcThreads - 1) / kHcThreads), (unsigned)d.T), kHcThreads, 0, stream>>>(
-        xp, mp, static_cast<const float*>(base.untyped_data()), static_cast<const float*>(scale.untyped_data()),
-        static_cast<float*>(u->untyped_data()), static_cast<float*>(post->untyped_data()),
-        static_cast<float*>(comb->untyped_data()), (int)d.n, d.D, iters, hc_eps);
+    visit_hc_streams((int)d.n, [&](auto n) {
+      hc_collapse_kernel<XT, n()><<<dim3((unsigned)((d.D + kHcThreads - 1) / kHcThreads), (unsigned)d.T), kHcThreads,
+                                     0, stream>>>(
+          xp, mp, static_cast<const float*>(base.untyped_data()), static_cast<const float*>(scale.untyped_data()),
+          static_cast<float*>(u->untyped_data()), static_cast<float*>(post->untyped_data()),
+          static_cast<float*>(comb->untyped_data()), d.D, iters, hc_eps);
+    });
   });
   return launch_error();
 }

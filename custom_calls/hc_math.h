@@ -74,11 +74,15 @@ DSPARK_HD void hc_gates(const float* mix, const float* base, const float* scale,
   }
 }
 
-// u[d] = Σ_j pre[j] · X[j, d], summed in j order. X is the token's [n, D] streams.
-template <class XT>
-DSPARK_HD float hc_collapse(const XT* x, const float* pre, int n, int64_t D, int64_t d) {
-  float acc = pre[0] * to_float(x[d]);
-  for (int j = 1; j < n; ++j) acc = dspark_mad(pre[j], to_float(x[j * D + d]), acc);
+// u[d] = Σ_j pre[j] · X[j, d], summed in j order; stream(j) gives X[j, d] as a float. The loop runs to kMaxHc
+// with a guard so that it unrolls: the GPU kernel's stream(j) reads a register array, which a loop bounded by
+// the runtime n would put in local memory.
+template <class Stream>
+DSPARK_HD float hc_collapse(const float* pre, int n, Stream stream) {
+  float acc = pre[0] * stream(0);
+#pragma unroll
+  for (int j = 1; j < kMaxHc; ++j)
+    if (j < n) acc = dspark_mad(pre[j], stream(j), acc);
   return acc;
 }
 
