@@ -548,10 +548,11 @@ def _hc_inputs(rng: np.random.Generator, t_rows: int, n: int = 4):
 
 
 @pytest.mark.parametrize("dtypes", ["f32", "bf16_streams_f16_fn"])
-@pytest.mark.parametrize("t_rows, n", [(1, 4), (3, 4), (8, 4), (3, 6), (2, 8)])
+@pytest.mark.parametrize("t_rows, n", [(1, 4), (3, 4), (8, 4), (3, 6), (2, 8), (2, 1), (2, 2), (2, 3), (2, 5), (2, 7)])
 def test_hc_pre_matches_model_reference(device, t_rows, n, dtypes):
-    """hc_pre against the model's jnp code, for DS4's 4 streams and for 6 and 8 (the most the kernels take: comb
-    matrices of 36 and 64 elements, more than a warp has lanes)."""
+    """hc_pre against the model's jnp code, for DS4's 4 streams and for every other count the kernels take, 1 to 8
+    (the GPU's collapse kernel is compiled once per count; 6 and 8 give comb matrices of 36 and 64 elements, more
+    than a warp has lanes)."""
     rng = np.random.default_rng(t_rows)
     streams, fn, base, scale = _hc_inputs(rng, t_rows, n)
     if dtypes != "f32":
