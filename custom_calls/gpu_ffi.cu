@@ -394,8 +394,9 @@ __global__ void __launch_bounds__(kHcThreads) hc_mix_kernel(const XT* __restrict
 // orders it. The same per-element functions as the CPU's serial hc_gates, so the bits are the same as a
 // serial run's on this device (run 11: thread 0 alone took 50 us of each of the 1-token step's 12 hc_pre calls).
 // Returns which of the two buffers holds the final comb.
-__device__ __forceinline__ int hc_gates_in_block(const float* mix, const float* base, const float* scale, int n, int iters, float eps,
-                                 float* s_pre, float* s_post, float (*s_comb)[kMaxHc * kMaxHc]) {
+__device__ __forceinline__ int hc_gates_in_block(const float* mix, const float* base, const float* scale, int n,
+                                                 int iters, float eps, float* s_pre, float* s_post,
+                                                 float (*s_comb)[kMaxHc * kMaxHc]) {
   const int e = threadIdx.x, nn = n * n;
   if (e < n) {
     s_pre[e] = hc_pre_gate(mix, base, scale, eps, e);
