@@ -546,12 +546,10 @@ inline int sm_count() { return device_attribute<gpuDevAttrMultiProcessorCount>()
 inline int smem_optin() { return device_attribute<gpuDevAttrMaxSharedMemoryPerBlockOptin>(); }
 inline int smem_per_sm() { return device_attribute<gpuDevAttrMaxSharedMemoryPerMultiprocessor>(); }
 
-// Resident CTAs of a kernel of W warps with `smem` bytes of dynamic shared memory on the current device, at
-// most kWarpsPerSm / W per SM. The kernel's shared-memory limit is raised once, and the occupancy is computed once per
-// distinct `smem` (host-side calls only, no stream work: capture-safe; cached because the handler runs on
-// every call outside command buffers).
-template <auto kKernel, int W>
-int resident_ctas(int smem) {
+// Raises kKernel's dynamic shared-memory limit to what the device allows next to its static shared memory, once
+// per kernel (host-side, no stream work: capture-safe). Launches of more than 48 KB need it.
+template <auto kKernel>
+void allow_max_dynamic_smem() {
   static const bool raised = [] {
     gpuFuncAttributes attr{};
     (void)gpuFuncGetAttributes(&attr, reinterpret_cast<const void*>(kKernel));
@@ -559,6 +557,15 @@ int resident_ctas(int smem) {
                                smem_optin() - (int)attr.sharedSizeBytes) == gpuSuccess;
   }();
   (void)raised;
+}
+
+// Resident CTAs of a kernel of W warps with `smem` bytes of dynamic shared memory on the current device, at
+// most kWarpsPerSm / W per SM (after allow_max_dynamic_smem). The occupancy is computed once per distinct `smem`
+// (host-side calls only, no stream work: capture-safe; cached because the handler runs on every call outside
+// command buffers).
+template <auto kKernel, int W>
+int resident_ctas(int smem) {
+  allow_max_dynamic_smem<kKernel>();
   static int cached_smem = -1, cached_ctas = 0;
   if (smem != cached_smem) {
     int per_sm = 0;

@@ -338,7 +338,7 @@ bool launch_qmma(gpuStream_t stream, const QDims& d, const uint8_t* w, const voi
       if (smem + (int64_t)kMaxCols * 4 > smem_optin()) return false;
       const int64_t tiles = (T + NT - 1) / NT;
       if (mode == MmaMode::kAuto && !mma_pays(T, d.K, groups * row_tiles, tiles)) return false;
-      (void)resident_ctas<kKernel, kMmaWarps>((int)smem);  // raises the kernel's shared-memory limit once
+      allow_max_dynamic_smem<kKernel>();
       const int64_t ctas = std::clamp<int64_t>(sms / (tiles * groups), 1, row_tiles);
       const int slots = (int)((T + tiles - 1) / tiles);
       kKernel<<<dim3((unsigned)ctas, (unsigned)tiles, (unsigned)groups), kMmaThreads, (int)smem, stream>>>(
