@@ -153,9 +153,9 @@ float dot8(const AT* a, const BT* b, int64_t len) {
 
 ffi::Error HcPreCpu(ffi::AnyBuffer streams, ffi::AnyBuffer fn, ffi::AnyBuffer base, ffi::AnyBuffer scale,
                     ffi::Result<ffi::AnyBuffer> u, ffi::Result<ffi::AnyBuffer> post, ffi::Result<ffi::AnyBuffer> comb,
-                    ffi::Result<ffi::AnyBuffer> mix, int32_t iters, float hc_eps, float norm_eps) {
+                    ffi::Result<ffi::AnyBuffer> workspace, int32_t iters, float hc_eps, float norm_eps) {
   HcDims d;
-  if (auto e = check_hc_pre(streams, fn, base, scale, &d); e.failure()) return e;
+  if (auto e = check_hc_pre(streams, fn, base, scale, *workspace, &d); e.failure()) return e;
   const int n = (int)d.n;
   const int64_t F = d.n * d.D;
   const auto* bp = static_cast<const float*>(base.untyped_data());
@@ -163,7 +163,8 @@ ffi::Error HcPreCpu(ffi::AnyBuffer streams, ffi::AnyBuffer fn, ffi::AnyBuffer ba
   auto* up = static_cast<float*>(u->untyped_data());
   auto* pp = static_cast<float*>(post->untyped_data());
   auto* cp = static_cast<float*>(comb->untyped_data());
-  auto* mp = static_cast<float*>(mix->untyped_data());
+  auto* mp = static_cast<float*>(workspace->untyped_data());
+  const int64_t slice = hc_mix_chunks(F) * (d.M + 1);  // a token's workspace; its mix goes at the front
   visit_float(streams.element_type(), [&](auto xt) {
     using XT = decltype(xt);
     const auto* xp = static_cast<const XT*>(streams.untyped_data());
@@ -173,7 +174,7 @@ ffi::Error HcPreCpu(ffi::AnyBuffer streams, ffi::AnyBuffer fn, ffi::AnyBuffer ba
       for (int64_t t = 0; t < d.T; ++t) {
         const XT* xt_ = xp + t * F;
         const float rs = 1.0f / std::sqrt(dot8(xt_, xt_, F) / (float)F + norm_eps);
-        float* m = mp + t * d.M;
+        float* m = mp + t * slice;
         for (int64_t r = 0; r < d.M; ++r) m[r] = dot8(xt_, fp + r * F, F) * rs;
         float pre[kMaxHc];
         hc_gates(m, bp, sp, n, iters, hc_eps, pre, pp + t * n, cp + t * n * n);

@@ -85,8 +85,15 @@ inline ffi::Error check_hc_streams(const ffi::AnyBuffer& streams, HcDims* d) {
   return ffi::Error::Success();
 }
 
+// HC-pre's workspace [T, C, M + 1] (float32), C = hc_mix_chunks(n·D): the GPU's mix kernel sums each token's
+// flattened streams in C chunks of kHcMixChunk values, one float per chunk for each of the M mix rows and one for
+// the sum of squares (ffi.py's HC_MIX_CHUNK is the same number). The CPU keeps a token's M mix values at the
+// front of its [C, M + 1] slice.
+constexpr int64_t kHcMixChunk = 2048;
+inline int64_t hc_mix_chunks(int64_t F) { return (F + kHcMixChunk - 1) / kHcMixChunk; }
+
 inline ffi::Error check_hc_pre(const ffi::AnyBuffer& streams, const ffi::AnyBuffer& fn, const ffi::AnyBuffer& base,
-                               const ffi::AnyBuffer& scale, HcDims* d) {
+                               const ffi::AnyBuffer& scale, const ffi::AnyBuffer& workspace, HcDims* d) {
   if (auto e = check_hc_streams(streams, d); e.failure()) return e;
   const auto fd = fn.dimensions();
   d->M = (2 + d->n) * d->n;
@@ -94,6 +101,9 @@ inline ffi::Error check_hc_pre(const ffi::AnyBuffer& streams, const ffi::AnyBuff
     return arg_error("fn must be float [(2+n)*n, n*D]");
   if (base.element_type() != ffi::DataType::F32 || (int64_t)base.element_count() != d->M) return arg_error("base must be float32 [(2+n)*n]");
   if (scale.element_type() != ffi::DataType::F32 || scale.element_count() != 3) return arg_error("scale must be float32 [3]");
+  if (workspace.element_type() != ffi::DataType::F32 ||
+      (int64_t)workspace.element_count() != d->T * hc_mix_chunks(d->n * d->D) * (d->M + 1))
+    return arg_error("hc_pre workspace must be float32 [T, ceil(n*D/" + std::to_string(kHcMixChunk) + "), (2+n)*n + 1]");
   return ffi::Error::Success();
 }
 

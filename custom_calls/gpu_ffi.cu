@@ -357,6 +357,9 @@ ffi::Error QMatmulIdGpu(gpuStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, 
 
 // ---- mHC ----
 constexpr int kHcThreads = 256;
+static_assert(kHcMixChunk % kHcThreads == 0, "hc_mix_kernel: whole products per thread");
+// hc_collapse_kernel reads this many of a token's chunk sums at once (DS4's 16384 stream values are 8 chunks).
+constexpr int kHcChunkLoads = 8;
 
 // Fixed-order block sum (butterfly in each warp, then warps in order); every thread gets the result.
 __device__ float block_sum(float v, float* scratch) {
@@ -369,24 +372,35 @@ __device__ float block_sum(float v, float* scratch) {
   return s;
 }
 
-// grid (M, T): mix[t, m] = (flat_t · fn[m]) · rsqrt(mean(flat_t²) + norm_eps).
+// grid (M, C, T), C = hc_mix_chunks(F): chunk c's share of token t's mix row m and of its sum of squares,
+//   part[t, c, m] = Σ_{i in chunk c} flat_t[i]·fn[m, i],   part[t, c, M] = Σ_{i in chunk c} flat_t[i]²,
+// which hc_collapse_kernel sums over c in order. Splitting F gives DS4's T = 1 call 24·8 CTAs instead of 24 that
+// each stream a 16384-value row (kernel run 21: 7.9 us); the chunk is a constant, so every token's sums run in
+// the same order whatever T. Each thread's kHcMixChunk / kHcThreads products are unrolled, their loads in flight
+// together.
 template <class XT, class FT>
 __global__ void __launch_bounds__(kHcThreads) hc_mix_kernel(const XT* __restrict__ x, const FT* __restrict__ fn,
-                                                            float* __restrict__ mix, int64_t F, int M, float norm_eps) {
+                                                            float* __restrict__ part, int64_t F, int M) {
   __shared__ float scratch[kHcThreads / kLanes];
   const int m = blockIdx.x;
-  const int64_t t = blockIdx.y;
+  const int64_t c = blockIdx.y, t = blockIdx.z;
   const XT* xt = x + t * F;
   const FT* fr = fn + (int64_t)m * F;
   float dot = 0.0f, sq = 0.0f;
-  for (int64_t i = threadIdx.x; i < F; i += kHcThreads) {
-    const float v = to_float(xt[i]);
-    dot = __fmaf_rn(v, to_float(fr[i]), dot);
-    sq = __fmaf_rn(v, v, sq);
+#pragma unroll
+  for (int k = 0; k < kHcMixChunk / kHcThreads; ++k) {
+    const int64_t i = c * kHcMixChunk + k * kHcThreads + threadIdx.x;
+    if (i < F) {
+      const float v = to_float(xt[i]);
+      dot = __fmaf_rn(v, to_float(fr[i]), dot);
+      sq = __fmaf_rn(v, v, sq);
+    }
   }
   dot = block_sum(dot, scratch);
   sq = block_sum(sq, scratch);
-  if (threadIdx.x == 0) mix[t * M + m] = dot * (1.0f / sqrtf(sq / (float)F + norm_eps));
+  float* pt = part + (t * gridDim.y + c) * (M + 1);
+  if (threadIdx.x == 0) pt[m] = dot;
+  if (threadIdx.x == 0 && m == 0) pt[M] = sq;
 }
 
 // Token t's gates and Sinkhorn comb into shared memory, one comb element per thread (thread e < n*n holds
@@ -421,33 +435,47 @@ void visit_hc_streams(int n, F&& f) {
   f(std::integral_constant<int, N>{});
 }
 
-// grid (ceil(D/256), T): gates + Sinkhorn (hc_gates_in_block), then u[t, d] for this block's d, for N streams.
+// grid (ceil(D/256), T): token t's mix from hc_mix_kernel's C chunk sums, mix[m] = (Σ_c part[t, c, m]) ·
+// rsqrt((Σ_c part[t, c, M]) / F + norm_eps), then the gates + Sinkhorn (hc_gates_in_block), then u[t, d] for this
+// block's d, for N streams.
 // N is a template argument so that the gates' and the Sinkhorn's loops unroll and their index arithmetic folds:
 // with a runtime n, each of the 39 dependent half-steps ran about a hundred instructions on one warp's critical
 // path (generation run 19: 34.8K cycles, 17.5 µs, for a kernel that moves 64 KB). The functions are the CPU's,
 // so the bits are too. Every read from global memory is issued before the gates: this thread's N stream values
-// into registers, and the token's (2 + N)·N mix and base logits and three scales into shared memory, one
-// element per thread.
+// into registers, and the token's (2 + N)·N + 1 chunk sums (one thread each, summing over the chunks), base
+// logits and three scales into shared memory.
 template <class XT, int N>
-__global__ void __launch_bounds__(kHcThreads) hc_collapse_kernel(const XT* __restrict__ x, const float* __restrict__ mix,
+__global__ void __launch_bounds__(kHcThreads) hc_collapse_kernel(const XT* __restrict__ x, const float* __restrict__ part,
                                                                  const float* __restrict__ base, const float* __restrict__ scale,
                                                                  float* __restrict__ u, float* __restrict__ post,
-                                                                 float* __restrict__ comb, int64_t D, int iters,
-                                                                 float hc_eps) {
+                                                                 float* __restrict__ comb, int64_t D, int chunks,
+                                                                 int iters, float hc_eps, float norm_eps) {
   constexpr int kLogits = (2 + N) * N;
-  static_assert(kHcThreads >= kLogits, "one thread per logit (and so per comb element)");
-  __shared__ float s_mix[kLogits], s_base[kLogits], s_scale[3];
+  static_assert(kHcThreads > kLogits, "one thread per logit (and so per comb element) and one for the squares");
+  __shared__ float s_mix[kLogits + 1], s_base[kLogits], s_scale[3];
   __shared__ float s_pre[N], s_post[N], s_comb[2][kMaxHc * kMaxHc];
   const int64_t t = blockIdx.y;
   const int64_t d = (int64_t)blockIdx.x * kHcThreads + threadIdx.x;
   float xs[N];
 #pragma unroll
   for (int j = 0; j < N; ++j) xs[j] = d < D ? to_float(x[(t * N + j) * D + d]) : 0.0f;
-  if (threadIdx.x < kLogits) {
-    s_mix[threadIdx.x] = mix[t * kLogits + threadIdx.x];
-    s_base[threadIdx.x] = base[threadIdx.x];
+  if (threadIdx.x <= kLogits) {
+    const float* pt = part + t * chunks * (kLogits + 1) + threadIdx.x;
+    float sum = 0.0f;
+    for (int c0 = 0; c0 < chunks; c0 += kHcChunkLoads) {  // the loads of kHcChunkLoads chunks in flight together
+      float v[kHcChunkLoads];
+#pragma unroll
+      for (int j = 0; j < kHcChunkLoads; ++j) v[j] = c0 + j < chunks ? pt[(c0 + j) * (kLogits + 1)] : 0.0f;
+#pragma unroll
+      for (int j = 0; j < kHcChunkLoads; ++j)
+        if (c0 + j < chunks) sum += v[j];
+    }
+    s_mix[threadIdx.x] = sum;
+    if (threadIdx.x < kLogits) s_base[threadIdx.x] = base[threadIdx.x];
   }
   if (threadIdx.x < 3) s_scale[threadIdx.x] = scale[threadIdx.x];
+  __syncthreads();
+  if (threadIdx.x < kLogits) s_mix[threadIdx.x] *= 1.0f / sqrtf(s_mix[kLogits] / (float)(N * D) + norm_eps);
   __syncthreads();
   const int cur = hc_gates_in_block(s_mix, s_base, s_scale, N, iters, hc_eps, s_pre, s_post, s_comb);
   if (blockIdx.x == 0) {
@@ -470,26 +498,27 @@ __global__ void __launch_bounds__(kHcThreads) hc_post_kernel(const FT* __restric
 
 ffi::Error HcPreGpu(gpuStream_t stream, ffi::AnyBuffer streams, ffi::AnyBuffer fn, ffi::AnyBuffer base,
                     ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> u, ffi::Result<ffi::AnyBuffer> post,
-                    ffi::Result<ffi::AnyBuffer> comb, ffi::Result<ffi::AnyBuffer> mix, int32_t iters, float hc_eps,
-                    float norm_eps) {
+                    ffi::Result<ffi::AnyBuffer> comb, ffi::Result<ffi::AnyBuffer> workspace, int32_t iters,
+                    float hc_eps, float norm_eps) {
   HcDims d;
-  if (auto e = check_hc_pre(streams, fn, base, scale, &d); e.failure()) return e;
+  if (auto e = check_hc_pre(streams, fn, base, scale, *workspace, &d); e.failure()) return e;
   if (d.T == 0) return ffi::Error::Success();
-  auto* mp = static_cast<float*>(mix->untyped_data());
+  const int64_t chunks = hc_mix_chunks(d.n * d.D);
+  auto* part = static_cast<float*>(workspace->untyped_data());
   visit_float(streams.element_type(), [&](auto xt) {
     using XT = decltype(xt);
     const auto* xp = static_cast<const XT*>(streams.untyped_data());
     visit_float(fn.element_type(), [&](auto ft) {
       using FT = decltype(ft);
-      hc_mix_kernel<XT, FT><<<dim3((unsigned)d.M, (unsigned)d.T), kHcThreads, 0, stream>>>(
-          xp, static_cast<const FT*>(fn.untyped_data()), mp, d.n * d.D, (int)d.M, norm_eps);
+      hc_mix_kernel<XT, FT><<<dim3((unsigned)d.M, (unsigned)chunks, (unsigned)d.T), kHcThreads, 0, stream>>>(
+          xp, static_cast<const FT*>(fn.untyped_data()), part, d.n * d.D, (int)d.M);
     });
     visit_hc_streams((int)d.n, [&](auto n) {
       hc_collapse_kernel<XT, n()><<<dim3((unsigned)((d.D + kHcThreads - 1) / kHcThreads), (unsigned)d.T), kHcThreads,
                                      0, stream>>>(
-          xp, mp, static_cast<const float*>(base.untyped_data()), static_cast<const float*>(scale.untyped_data()),
+          xp, part, static_cast<const float*>(base.untyped_data()), static_cast<const float*>(scale.untyped_data()),
           static_cast<float*>(u->untyped_data()), static_cast<float*>(post->untyped_data()),
-          static_cast<float*>(comb->untyped_data()), d.D, iters, hc_eps);
+          static_cast<float*>(comb->untyped_data()), d.D, (int)chunks, iters, hc_eps, norm_eps);
     });
   });
   return launch_error();

@@ -543,18 +543,27 @@ def test_gpu_expert_major_moe_equals_its_model(gpu_device, cpu_device, ggml_type
 HC = {"iters": 20, "hc_eps": 1e-6, "norm_eps": 1e-6}
 
 
-def _hc_inputs(rng: np.random.Generator, t_rows: int, n: int = 4):
-    return synthetic.random_hc_inputs(rng, t_rows, n, 96)
+# a stream width whose n·D = 4400 values (n = 4) the GPU's mix sums in three chunks, the last one partial
+SEVERAL_MIX_CHUNKS_D = 1100
+assert -(-4 * SEVERAL_MIX_CHUNKS_D // kernels.ffi.HC_MIX_CHUNK) == 3 and 4 * SEVERAL_MIX_CHUNKS_D % kernels.ffi.HC_MIX_CHUNK
+
+
+def _hc_inputs(rng: np.random.Generator, t_rows: int, n: int = 4, d: int = 96):
+    return synthetic.random_hc_inputs(rng, t_rows, n, d)
 
 
 @pytest.mark.parametrize("dtypes", ["f32", "bf16_streams_f16_fn"])
-@pytest.mark.parametrize("t_rows, n", [(1, 4), (3, 4), (8, 4), (3, 6), (2, 8), (2, 1), (2, 2), (2, 3), (2, 5), (2, 7)])
-def test_hc_pre_matches_model_reference(device, t_rows, n, dtypes):
+@pytest.mark.parametrize(
+    "t_rows, n, d",
+    [(1, 4, 96), (3, 4, 96), (8, 4, 96), (3, 6, 96), (2, 8, 96), (2, 1, 96), (2, 2, 96), (2, 3, 96), (2, 5, 96),
+     (2, 7, 96), (3, 4, SEVERAL_MIX_CHUNKS_D)],
+)
+def test_hc_pre_matches_model_reference(device, t_rows, n, d, dtypes):
     """hc_pre against the model's jnp code, for DS4's 4 streams and for every other count the kernels take, 1 to 8
     (the GPU's collapse kernel is compiled once per count; 6 and 8 give comb matrices of 36 and 64 elements, more
-    than a warp has lanes)."""
+    than a warp has lanes), and for streams wide enough that the GPU sums the mix in several chunks."""
     rng = np.random.default_rng(t_rows)
-    streams, fn, base, scale = _hc_inputs(rng, t_rows, n)
+    streams, fn, base, scale = _hc_inputs(rng, t_rows, n, d)
     if dtypes != "f32":
         streams = np.asarray(jnp.asarray(streams, jnp.bfloat16))
         fn = fn.astype(np.float16)
@@ -580,9 +589,10 @@ def test_hc_post_matches_model_reference(device, t_rows):
     np.testing.assert_allclose(got, np.asarray(jax.jit(hc_ref.hc_post)(*args)), rtol=1e-5, atol=1e-5)
 
 
-def test_hc_batch_invariant(device):
+@pytest.mark.parametrize("d", [96, SEVERAL_MIX_CHUNKS_D])
+def test_hc_batch_invariant(device, d):
     rng = np.random.default_rng(3)
-    streams, fn, base, scale = _hc_inputs(rng, 8)
+    streams, fn, base, scale = _hc_inputs(rng, 8, d=d)
     block_out = rng.standard_normal((8, streams.shape[-1])).astype(np.float32)
     pre = jax.jit(lambda s, f, b, c: kernels.hc_pre(s, f, b, c, **HC, backend="ffi"))
     post = jax.jit(lambda o, s, p, c: kernels.hc_post(o, s, p, c, backend="ffi"))
@@ -595,6 +605,19 @@ def test_hc_batch_invariant(device):
             np.testing.assert_array_equal(a[0], b[i])
         one_post = post(*_put(device, block_out[i : i + 1], streams[i : i + 1], full[1][i : i + 1], full[2][i : i + 1]))
         np.testing.assert_array_equal(np.asarray(one_post)[0], full_post[i])
+
+
+def test_hc_pre_rejects_a_missized_workspace(cpu_device):
+    """The kernels write the workspace hc_pre's caller allocates; one sized for another chunking is refused by
+    name, never written past."""
+    streams, fn, base, scale = _hc_inputs(np.random.default_rng(4), 2)
+    f32 = jnp.float32
+    outs = (jax.ShapeDtypeStruct((2, 96), f32), jax.ShapeDtypeStruct((2, 4), f32),
+            jax.ShapeDtypeStruct((2, 4, 4), f32), jax.ShapeDtypeStruct((2, fn.shape[0]), f32))
+    call = functools.partial(kernels.ffi._call, "dspark_hc_pre", outs, iters=np.int32(20),
+                             hc_eps=np.float32(1e-6), norm_eps=np.float32(1e-6))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="hc_pre workspace must be float32"):
+        jax.block_until_ready(call(*_put(cpu_device, streams, fn, base, scale)))
 
 
 # --------------------------------------------------------------------------- API behaviour

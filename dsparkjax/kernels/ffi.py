@@ -34,6 +34,9 @@ _OPS = {
     "dspark_hc_pre": "DsparkHcPre",
     "dspark_hc_post": "DsparkHcPost",
 }
+# HC-pre's GPU mix sums each token's n·D stream values in chunks of this many (kHcMixChunk in
+# custom_calls/ffi_common.h, which checks the workspace sized from it)
+HC_MIX_CHUNK = 2048
 # ops of the CPU plugin alone: the model of the GPU integer path (`qmatmul_i8_model`)
 _CPU_OPS = {"dspark_qmatmul_i8_model": "DsparkQMatmulI8Model"}
 
@@ -171,15 +174,17 @@ def hc_pre(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """FFI HC-pre: streams `[T, n, D]` -> (u `[T, D]`, post `[T, n]`, comb `[T, n, n]`), all float32.
 
-    The kernel's fourth output, the normalised mix `[T, (2+n)·n]`, is its workspace and is dropped here.
+    The kernel's fourth output is its workspace, dropped here: `[T, C, (2+n)·n + 1]` float32 with
+    C = ceil(n·D / HC_MIX_CHUNK), the GPU's per-chunk sums of each mix row and of the squares.
     """
     t, n, d = streams.shape
     f32 = jnp.float32
+    chunks = -(-n * d // HC_MIX_CHUNK)
     outs = (
         jax.ShapeDtypeStruct((t, d), f32),
         jax.ShapeDtypeStruct((t, n), f32),
         jax.ShapeDtypeStruct((t, n, n), f32),
-        jax.ShapeDtypeStruct((t, fn.shape[0]), f32),
+        jax.ShapeDtypeStruct((t, chunks, fn.shape[0] + 1), f32),
     )
     u, post, comb, _ = _call(
         "dspark_hc_pre", outs, streams, fn, base.astype(f32), scale.astype(f32),
