@@ -545,7 +545,7 @@ HC = {"iters": 20, "hc_eps": 1e-6, "norm_eps": 1e-6}
 
 # a stream width whose n·D = 4400 values (n = 4) the GPU's mix sums in three chunks, the last one partial
 SEVERAL_MIX_CHUNKS_D = 1100
-assert -(-4 * SEVERAL_MIX_CHUNKS_D // kernels.ffi.HC_MIX_CHUNK) == 3 and 4 * SEVERAL_MIX_CHUNKS_D % kernels.ffi.HC_MIX_CHUNK
+assert kernels.ffi.hc_mix_chunks(4, SEVERAL_MIX_CHUNKS_D) == 3 and 4 * SEVERAL_MIX_CHUNKS_D % kernels.ffi.HC_MIX_CHUNK
 
 
 def _hc_inputs(rng: np.random.Generator, t_rows: int, n: int = 4, d: int = 96):

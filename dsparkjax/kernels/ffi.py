@@ -168,6 +168,11 @@ def qmatmul_i8_model(x: jax.Array, w_packed: jax.Array, ggml_type: int) -> jax.A
     return _call("dspark_qmatmul_i8_model", out, x, w_packed, ggml_type=np.int32(ggml_type))
 
 
+def hc_mix_chunks(n: int, d: int) -> int:
+    """How many HC_MIX_CHUNK-value chunks the GPU's HC-pre mix splits a token's n·D stream values into."""
+    return -(-n * d // HC_MIX_CHUNK)
+
+
 def hc_pre(
     streams: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, *, iters: int, hc_eps: float,
     norm_eps: float,
@@ -179,12 +184,11 @@ def hc_pre(
     """
     t, n, d = streams.shape
     f32 = jnp.float32
-    chunks = -(-n * d // HC_MIX_CHUNK)
     outs = (
         jax.ShapeDtypeStruct((t, d), f32),
         jax.ShapeDtypeStruct((t, n), f32),
         jax.ShapeDtypeStruct((t, n, n), f32),
-        jax.ShapeDtypeStruct((t, chunks, fn.shape[0] + 1), f32),
+        jax.ShapeDtypeStruct((t, hc_mix_chunks(n, d), fn.shape[0] + 1), f32),
     )
     u, post, comb, _ = _call(
         "dspark_hc_pre", outs, streams, fn, base.astype(f32), scale.astype(f32),
