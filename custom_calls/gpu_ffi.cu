@@ -372,16 +372,40 @@ __device__ float block_sum(float v, float* scratch) {
   return s;
 }
 
+// Launches kernel<<<grid, kHcThreads, 0, stream>>>(args...) allowed to start while the kernel before it on the stream
+// still runs (programmatic dependent launch, on CUDA devices of compute capability 9 and up; an ordinary launch
+// elsewhere). The kernel must call gpu_wait_for_predecessor() before reading what that kernel writes. Captured
+// into XLA's command buffers as a programmatic edge between the two kernel nodes. A failed launch is reported by
+// launch_error(), as for <<<...>>>.
+template <class... P, class... A>
+void launch_dependent(void (*kernel)(P...), dim3 grid, gpuStream_t stream, A... args) {
+#if defined(__HIPCC__)
+  kernel<<<grid, kHcThreads, 0, stream>>>(args...);
+#else
+  cudaLaunchAttribute early{};
+  early.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  early.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = dim3(kHcThreads);
+  config.stream = stream;
+  config.attrs = &early;
+  config.numAttrs = i8::device_attribute<cudaDevAttrComputeCapabilityMajor>() >= 9 ? 1 : 0;
+  (void)cudaLaunchKernelEx(&config, kernel, static_cast<P>(args)...);
+#endif
+}
+
 // grid (M, C, T), C = hc_mix_chunks(F): chunk c's share of token t's mix row m and of its sum of squares,
 //   part[t, c, m] = Σ_{i in chunk c} flat_t[i]·fn[m, i],   part[t, c, M] = Σ_{i in chunk c} flat_t[i]²,
 // which hc_collapse_kernel sums over c in order. Splitting F gives DS4's T = 1 call 24·8 CTAs instead of 24 that
 // each stream a 16384-value row (kernel run 21: 7.9 us); the chunk is a constant, so every token's sums run in
 // the same order whatever T. Each thread's kHcMixChunk / kHcThreads products are unrolled, their loads in flight
-// together.
+// together. hc_collapse_kernel may start as soon as every CTA of this kernel has started.
 template <class XT, class FT>
 __global__ void __launch_bounds__(kHcThreads) hc_mix_kernel(const XT* __restrict__ x, const FT* __restrict__ fn,
                                                             float* __restrict__ part, int64_t F, int M) {
   __shared__ float scratch[kHcThreads / kLanes];
+  gpu_launch_dependents();
   const int m = blockIdx.x;
   const int64_t c = blockIdx.y, t = blockIdx.z;
   const XT* xt = x + t * F;
@@ -443,7 +467,8 @@ void visit_hc_streams(int n, F&& f) {
 // path (generation run 19: 34.8K cycles, 17.5 µs, for a kernel that moves 64 KB). The functions are the CPU's,
 // so the bits are too. Every read from global memory is issued before the gates: this thread's N stream values
 // into registers, and the token's (2 + N)·N + 1 chunk sums (one thread each, summing over the chunks), base
-// logits and three scales into shared memory.
+// logits and three scales into shared memory. It is launched to start while hc_mix_kernel runs
+// (launch_dependent): it reads the streams, base and scales, then waits for the mix kernel's chunk sums.
 template <class XT, int N>
 __global__ void __launch_bounds__(kHcThreads) hc_collapse_kernel(const XT* __restrict__ x, const float* __restrict__ part,
                                                                  const float* __restrict__ base, const float* __restrict__ scale,
@@ -459,6 +484,9 @@ __global__ void __launch_bounds__(kHcThreads) hc_collapse_kernel(const XT* __res
   float xs[N];
 #pragma unroll
   for (int j = 0; j < N; ++j) xs[j] = d < D ? to_float(x[(t * N + j) * D + d]) : 0.0f;
+  if (threadIdx.x < kLogits) s_base[threadIdx.x] = base[threadIdx.x];
+  if (threadIdx.x < 3) s_scale[threadIdx.x] = scale[threadIdx.x];
+  gpu_wait_for_predecessor();  // hc_mix_kernel's chunk sums in part
   if (threadIdx.x <= kLogits) {
     const float* pt = part + t * chunks * (kLogits + 1) + threadIdx.x;
     float sum = 0.0f;
@@ -471,9 +499,7 @@ __global__ void __launch_bounds__(kHcThreads) hc_collapse_kernel(const XT* __res
         if (c0 + j < chunks) sum += v[j];
     }
     s_mix[threadIdx.x] = sum;
-    if (threadIdx.x < kLogits) s_base[threadIdx.x] = base[threadIdx.x];
   }
-  if (threadIdx.x < 3) s_scale[threadIdx.x] = scale[threadIdx.x];
   __syncthreads();
   if (threadIdx.x < kLogits) s_mix[threadIdx.x] *= 1.0f / sqrtf(s_mix[kLogits] / (float)(N * D) + norm_eps);
   __syncthreads();
@@ -514,8 +540,8 @@ ffi::Error HcPreGpu(gpuStream_t stream, ffi::AnyBuffer streams, ffi::AnyBuffer f
           xp, static_cast<const FT*>(fn.untyped_data()), part, d.n * d.D, (int)d.M);
     });
     visit_hc_streams((int)d.n, [&](auto n) {
-      hc_collapse_kernel<XT, n()><<<dim3((unsigned)((d.D + kHcThreads - 1) / kHcThreads), (unsigned)d.T), kHcThreads,
-                                     0, stream>>>(
+      launch_dependent(
+          hc_collapse_kernel<XT, n()>, dim3((unsigned)((d.D + kHcThreads - 1) / kHcThreads), (unsigned)d.T), stream,
           xp, part, static_cast<const float*>(base.untyped_data()), static_cast<const float*>(scale.untyped_data()),
           static_cast<float*>(u->untyped_data()), static_cast<float*>(post->untyped_data()),
           static_cast<float*>(comb->untyped_data()), d.D, (int)chunks, iters, hc_eps, norm_eps);

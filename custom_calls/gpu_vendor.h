@@ -50,6 +50,9 @@ __device__ __forceinline__ void gpu_copy_async(gpu_smem_t dst, const void* src, 
   else *reinterpret_cast<uint32_t*>(dst) = *static_cast<const uint32_t*>(src);
 }
 __device__ __forceinline__ void gpu_copy_commit() {}
+// Programmatic dependent launch is CUDA's (sm_90+); on HIP a kernel starts after the one before it, so these do nothing.
+__device__ __forceinline__ void gpu_launch_dependents() {}
+__device__ __forceinline__ void gpu_wait_for_predecessor() {}
 template <int n>
 __device__ __forceinline__ void gpu_copy_wait() {}
 #else
@@ -91,4 +94,17 @@ __device__ __forceinline__ void gpu_copy_async(gpu_smem_t dst, const void* src, 
 __device__ __forceinline__ void gpu_copy_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int n>
 __device__ __forceinline__ void gpu_copy_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(n)); }
+// Programmatic dependent launch (sm_90+): gpu_launch_dependents lets the next kernel on the stream, if launched
+// with launch_dependent (gpu_ffi.cu), start before this one ends; that kernel's gpu_wait_for_predecessor returns
+// once this one has ended and its writes are visible. Both do nothing when built for older GPUs.
+__device__ __forceinline__ void gpu_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void gpu_wait_for_predecessor() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
 #endif
