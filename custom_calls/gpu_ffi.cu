@@ -372,16 +372,21 @@ __device__ float block_sum(float v, float* scratch) {
   return s;
 }
 
-// Launches kernel<<<grid, kHcThreads, 0, stream>>>(args...) allowed to start while the kernel before it on the stream
-// still runs (programmatic dependent launch, on CUDA devices of compute capability 9 and up; an ordinary launch
-// elsewhere). The kernel must call gpu_wait_for_predecessor() before reading what that kernel writes. Captured
-// into XLA's command buffers as a programmatic edge between the two kernel nodes. A failed launch is reported by
-// launch_error(), as for <<<...>>>.
-template <class... P, class... A>
-void launch_dependent(void (*kernel)(P...), dim3 grid, gpuStream_t stream, A... args) {
+// Launches kKernel<<<grid, kHcThreads, 0, stream>>>(args...) allowed to start while the kernel before it on the
+// stream still runs (programmatic dependent launch), where kKernel's binary was built for sm_90 or later: only
+// there is its gpu_wait_for_predecessor() compiled in, so the binary's version decides, not the device's (an sm_80
+// build running on an H100 launches in order). The kernel must call gpu_wait_for_predecessor() before reading what
+// that kernel writes. Captured into XLA's command buffers as a programmatic edge between the two kernel nodes. A
+// failed launch is reported by launch_error(), as for <<<...>>>.
+template <auto kKernel, class... A>
+void launch_dependent(dim3 grid, gpuStream_t stream, A... args) {
 #if defined(__HIPCC__)
-  kernel<<<grid, kHcThreads, 0, stream>>>(args...);
+  kKernel<<<grid, kHcThreads, 0, stream>>>(args...);
 #else
+  static const bool early_start = [] {
+    cudaFuncAttributes attributes{};
+    return cudaFuncGetAttributes(&attributes, kKernel) == cudaSuccess && attributes.binaryVersion >= 90;
+  }();
   cudaLaunchAttribute early{};
   early.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   early.val.programmaticStreamSerializationAllowed = 1;
@@ -390,8 +395,8 @@ void launch_dependent(void (*kernel)(P...), dim3 grid, gpuStream_t stream, A... 
   config.blockDim = dim3(kHcThreads);
   config.stream = stream;
   config.attrs = &early;
-  config.numAttrs = i8::device_attribute<cudaDevAttrComputeCapabilityMajor>() >= 9 ? 1 : 0;
-  (void)cudaLaunchKernelEx(&config, kernel, static_cast<P>(args)...);
+  config.numAttrs = early_start ? 1 : 0;
+  (void)cudaLaunchKernelEx(&config, kKernel, args...);
 #endif
 }
 
@@ -540,8 +545,8 @@ ffi::Error HcPreGpu(gpuStream_t stream, ffi::AnyBuffer streams, ffi::AnyBuffer f
           xp, static_cast<const FT*>(fn.untyped_data()), part, d.n * d.D, (int)d.M);
     });
     visit_hc_streams((int)d.n, [&](auto n) {
-      launch_dependent(
-          hc_collapse_kernel<XT, n()>, dim3((unsigned)((d.D + kHcThreads - 1) / kHcThreads), (unsigned)d.T), stream,
+      launch_dependent<hc_collapse_kernel<XT, n()>>(
+          dim3((unsigned)((d.D + kHcThreads - 1) / kHcThreads), (unsigned)d.T), stream,
           xp, part, static_cast<const float*>(base.untyped_data()), static_cast<const float*>(scale.untyped_data()),
           static_cast<float*>(u->untyped_data()), static_cast<float*>(post->untyped_data()),
           static_cast<float*>(comb->untyped_data()), d.D, (int)chunks, iters, hc_eps, norm_eps);

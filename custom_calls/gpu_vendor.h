@@ -96,7 +96,8 @@ template <int n>
 __device__ __forceinline__ void gpu_copy_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(n)); }
 // Programmatic dependent launch (sm_90+): gpu_launch_dependents lets the next kernel on the stream, if launched
 // with launch_dependent (gpu_ffi.cu), start before this one ends; that kernel's gpu_wait_for_predecessor returns
-// once this one has ended and its writes are visible. Both do nothing when built for older GPUs.
+// once this one has ended and its writes are visible. Both do nothing when built for older GPUs (and
+// launch_dependent then launches in order).
 __device__ __forceinline__ void gpu_launch_dependents() {
 #if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
