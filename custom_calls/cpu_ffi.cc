@@ -243,4 +243,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DsparkHcPostCpu, dspark::HcPostCpu,
                               ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>());
 
-DSPARK_DEFINE_API_VERSION
+DSPARK_DEFINE_PLUGIN_INFO

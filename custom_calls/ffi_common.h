@@ -87,7 +87,7 @@ inline ffi::Error check_hc_streams(const ffi::AnyBuffer& streams, HcDims* d) {
 
 // HC-pre's workspace [T, C, M + 1] (float32), C = hc_mix_chunks(n·D): the GPU's mix kernel sums each token's
 // flattened streams in C chunks of kHcMixChunk values, one float per chunk for each of the M mix rows and one for
-// the sum of squares (ffi.py's HC_MIX_CHUNK is the same number). The CPU keeps a token's M mix values at the
+// the sum of squares (the plugins export the number, DsparkHcMixChunk, for ffi.py to size it). The CPU keeps a token's M mix values at the
 // front of its [C, M + 1] slice.
 constexpr int64_t kHcMixChunk = 2048;
 inline int64_t hc_mix_chunks(int64_t F) { return (F + kHcMixChunk - 1) / kHcMixChunk; }
@@ -131,9 +131,12 @@ void visit_float(ffi::DataType t, F&& f) {
 
 }  // namespace dspark
 
-// The FFI API version these handlers were compiled against; ffi.py checks it against the runtime.
+// What ffi.py reads from a plugin before registering its handlers: the FFI API version the handlers were
+// compiled against (checked against the runtime's) and HC-pre's mix chunk (sizes the workspace).
 extern "C" __attribute__((visibility("default"))) int32_t DsparkFfiApiMajor();
 extern "C" __attribute__((visibility("default"))) int32_t DsparkFfiApiMinor();
-#define DSPARK_DEFINE_API_VERSION                                              \
+extern "C" __attribute__((visibility("default"))) int64_t DsparkHcMixChunk();
+#define DSPARK_DEFINE_PLUGIN_INFO                                       \
   extern "C" int32_t DsparkFfiApiMajor() { return XLA_FFI_API_MAJOR; } \
-  extern "C" int32_t DsparkFfiApiMinor() { return XLA_FFI_API_MINOR; }
+  extern "C" int32_t DsparkFfiApiMinor() { return XLA_FFI_API_MINOR; } \
+  extern "C" int64_t DsparkHcMixChunk() { return dspark::kHcMixChunk; }

@@ -610,4 +610,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DSPARK_GPU_SYMBOL(DsparkHcPost), dspark::HcPostGpu
                                   .Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>(),
                               {ffi::Traits::kCmdBufferCompatible});
 
-DSPARK_DEFINE_API_VERSION
+DSPARK_DEFINE_PLUGIN_INFO

@@ -34,9 +34,6 @@ _OPS = {
     "dspark_hc_pre": "DsparkHcPre",
     "dspark_hc_post": "DsparkHcPost",
 }
-# HC-pre's GPU mix sums each token's n·D stream values in chunks of this many (kHcMixChunk in
-# custom_calls/ffi_common.h, which checks the workspace sized from it)
-HC_MIX_CHUNK = 2048
 # ops of the CPU plugin alone: the model of the GPU integer path (`qmatmul_i8_model`)
 _CPU_OPS = {"dspark_qmatmul_i8_model": "DsparkQMatmulI8Model"}
 
@@ -79,8 +76,16 @@ def runtime_ffi_api_version() -> tuple[int, int]:
     return int(major.group(1)), int(minor.group(1))
 
 
-def _load(kind: str) -> tuple[int, int]:
-    """Load and register one plugin; returns the FFI API version it was built with, raises PluginError."""
+@dataclasses.dataclass(frozen=True)
+class PluginInfo:
+    """What a loaded plugin was built with, read from its exported functions."""
+
+    ffi_api: tuple[int, int]  # (major, minor) of the XLA FFI headers
+    hc_mix_chunk: int  # HC-pre's GPU mix sums each token's n·D stream values in chunks of this many (kHcMixChunk)
+
+
+def _load(kind: str) -> PluginInfo:
+    """Load and register one plugin; returns what it was built with, raises PluginError."""
     spec = _PLUGINS[kind]
     found = [d / spec.library for d in lib_dirs() if (d / spec.library).exists()]
     if not found:
@@ -106,17 +111,19 @@ def _load(kind: str) -> tuple[int, int]:
             f"{path} was built against XLA FFI API {built[0]}.{built[1]} but this jaxlib ({jax.__version__}) "
             f"provides {runtime[0]}.{runtime[1]}; rebuild it against the oldest supported jaxlib (0.10.2)"
         )
+    mix_chunk = symbol("DsparkHcMixChunk")
+    mix_chunk.restype = ctypes.c_int64
     handlers = {target: symbol(stem + spec.suffix) for target, stem in spec.ops.items()}  # all, before registering
     for target, fn in handlers.items():
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(fn), platform=spec.platform)
-    return built
+    return PluginInfo(built, mix_chunk())
 
 
 _STATUS: dict[str, PluginError | None] = {}  # plugin kind -> None when loaded, else why not
-BUILT_FFI_API: dict[str, tuple[int, int]] = {}  # plugin kind -> (major, minor) of the headers it was built with
+PLUGINS: dict[str, PluginInfo] = {}  # plugin kind -> what the loaded plugin was built with
 for _kind in _PLUGINS:
     try:
-        BUILT_FFI_API[_kind] = _load(_kind)
+        PLUGINS[_kind] = _load(_kind)
         _STATUS[_kind] = None
     except PluginError as _e:
         _STATUS[_kind] = _e
@@ -168,9 +175,15 @@ def qmatmul_i8_model(x: jax.Array, w_packed: jax.Array, ggml_type: int) -> jax.A
     return _call("dspark_qmatmul_i8_model", out, x, w_packed, ggml_type=np.int32(ggml_type))
 
 
+def hc_mix_chunk() -> int:
+    """HC-pre's mix chunk (values per chunk), as the plugin of the current platform was built with it."""
+    require()
+    return PLUGINS[platform_kind()].hc_mix_chunk
+
+
 def hc_mix_chunks(n: int, d: int) -> int:
-    """How many HC_MIX_CHUNK-value chunks the GPU's HC-pre mix splits a token's n·D stream values into."""
-    return -(-n * d // HC_MIX_CHUNK)
+    """How many chunks the GPU's HC-pre mix splits a token's n·D stream values into (the workspace's C)."""
+    return -(-n * d // hc_mix_chunk())
 
 
 def hc_pre(
@@ -180,7 +193,7 @@ def hc_pre(
     """FFI HC-pre: streams `[T, n, D]` -> (u `[T, D]`, post `[T, n]`, comb `[T, n, n]`), all float32.
 
     The kernel's fourth output is its workspace, dropped here: `[T, C, (2+n)·n + 1]` float32 with
-    C = ceil(n·D / HC_MIX_CHUNK), the GPU's per-chunk sums of each mix row and of the squares.
+    C = ceil(n·D / hc_mix_chunk()), the GPU's per-chunk sums of each mix row and of the squares.
     """
     t, n, d = streams.shape
     f32 = jnp.float32
