@@ -777,14 +777,19 @@ bool launch_qmatmul(gpuStream_t stream, const QDims& d, const uint8_t* w, const 
 // Experts busy at once: at most E distinct ones among the P slots (all P with DS4's 256 experts; the G
 // groups of a grouped projection, which every token uses); the rows per group balance an expert's rows over
 // its share of the device's warps (run 9: four rows per group for IQ2_XXS made the 24-expert calls faster).
-// Token slots: at most T, since an expert is chosen at most once per token unless ids repeat. Where experts
-// serve several tokens each on average (a grouped projection of T > 1), the dense calls' layout for several
-// tokens: one CTA of kWideWarps per SM (its slots room for twice the tokens, staged once per SM),
-// kSubPerLaneMany sub-blocks per lane, rows per group that cost no extra pass (kernel run 11: DS4's grouped
-// output projection at T = 4 33.7 -> 24.2 us for Q8_0, 30.3 -> 23.7 for IQ2_XXS, from two passes per group on
-// 8-warp CTAs). A grouped projection (groups > 0: ids[p] = p mod groups, as `qmatmul_grouped` builds them) of
-// several tokens per group goes to the tensor-core kernel first, where that takes it (gpu_i8_mma.cuh; kernel run
-// 20: DS4's at T = 4 21.6 -> 19.0 us for Q8_0, 19.4 -> 16.9 for IQ2_XXS, at T = 6 27.4 -> 20.2 and 25.8 -> 17.9).
+// Token slots per pass: what an expert's average share of the rows needs, evenly (even_slots). Where experts serve
+// one row each on average (one token's k experts; the per-expert rows of a down projection, T·k rows of one id
+// each), one slot: an expert that several rows chose takes one pass per row, but on as many more CTAs (all its
+// slots' CTAs are its workers), so its work per CTA stays about that of any other expert. (Room for every row in
+// one pass instead compiled that call for 8 columns and at most two rows per group, to serve one column: DS4's
+// step, generation run 23.) Where experts serve several tokens each on average (a grouped projection of T > 1),
+// the dense calls' layout for several tokens: one CTA of kWideWarps per SM (its slots room for twice the tokens,
+// staged once per SM), kSubPerLaneMany sub-blocks per lane, rows per group that cost no extra pass (kernel run
+// 11: DS4's grouped output projection at T = 4 33.7 -> 24.2 us for Q8_0, 30.3 -> 23.7 for IQ2_XXS, from two
+// passes per group on 8-warp CTAs). A grouped projection (groups > 0: ids[p] = p mod groups, as
+// `qmatmul_grouped` builds them) of several tokens per group goes to the tensor-core kernel first, where that
+// takes it (gpu_i8_mma.cuh; kernel run 20: DS4's at T = 4 21.6 -> 19.0 us for Q8_0, 19.4 -> 16.9 for IQ2_XXS,
+// at T = 6 27.4 -> 20.2 and 25.8 -> 17.9).
 template <class Fmt>
 bool launch_qmatmul_id(gpuStream_t stream, const QDims& d, const uint8_t* w, const void* x, bool bf16,
                        const int32_t* ids, int64_t groups, float* y) {
@@ -802,7 +807,7 @@ bool launch_qmatmul_id(gpuStream_t stream, const QDims& d, const uint8_t* w, con
     const auto slots_of = [&](int R) { return token_slots<Fmt, W>(d.K, wanted, fixed_smem_bytes<Fmt, W, S>(R)); };
     visit_rows<kMaxRows<Fmt, S>>(rows_with_room(balanced_rows(d.N, warps, kMaxRows<Fmt, S>), wanted, slots_of, 0), [&](auto rc) {
       const int room = token_slots<Fmt, W>(d.K, d.T, kFixedSmemBytes<Fmt, decltype(rc)::value, W, S>);
-      const int slots = wanted > 1 ? even_slots(wanted, room) : room;
+      const int slots = even_slots(wanted, room);
       if (slots < min_slots) return;
       visit_cols(slots, [&](auto nc) {
         constexpr int kNC = decltype(nc)::value, kR = kRowsWith<kNC, decltype(rc)::value>;
