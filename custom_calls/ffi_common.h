@@ -87,8 +87,8 @@ inline ffi::Error check_hc_streams(const ffi::AnyBuffer& streams, HcDims* d) {
 
 // HC-pre's workspace [T, C, M + 1] (float32), C = hc_mix_chunks(n·D): the GPU's mix kernel sums each token's
 // flattened streams in C chunks of kHcMixChunk values, one float per chunk for each of the M mix rows and one for
-// the sum of squares (the plugins export the number, DsparkHcMixChunk, for ffi.py to size it). The CPU keeps a token's M mix values at the
-// front of its [C, M + 1] slice.
+// the sum of squares (the plugins export the number, DsparkHcMixChunk, for ffi.py to size it). The CPU keeps a
+// token's M mix values at the front of its [C, M + 1] slice.
 constexpr int64_t kHcMixChunk = 2048;
 inline int64_t hc_mix_chunks(int64_t F) { return (F + kHcMixChunk - 1) / kHcMixChunk; }
 

@@ -176,9 +176,11 @@ def qmatmul_i8_model(x: jax.Array, w_packed: jax.Array, ggml_type: int) -> jax.A
 
 
 def hc_mix_chunk() -> int:
-    """HC-pre's mix chunk (values per chunk), as the plugin of the current platform was built with it."""
-    require()
-    return PLUGINS[platform_kind()].hc_mix_chunk
+    """HC-pre's mix chunk (values per chunk), as the loaded plugins were built with it (all from ffi_common.h's
+    kHcMixChunk, so any of them tells; a call on another platform's device needs no plugin of the default one)."""
+    if not PLUGINS:
+        require()
+    return next(iter(PLUGINS.values())).hc_mix_chunk
 
 
 def hc_mix_chunks(n: int, d: int) -> int:
