@@ -1,7 +1,7 @@
 // GPU (CUDA, and HIP through gpu_vendor.h) FFI handlers: packed quantized matmul, MoE matmul by expert id,
 // mHC pre/post. Handlers only launch kernels on XLA's stream (no allocation, no sync): kCmdBufferCompatible.
 //
-// Q8_0, Q2_K and IQ2_XXS, the formats of the published DS4 files, run on integer dot products against an
+// Q8_0, Q2_K, Q4_K and IQ2_XXS, the formats of the published DS4 files, run on integer dot products against an
 // int8-limb form of the activations (gpu_i8_matvec.cuh): that path streams weights at memory speed. The other
 // formats, and the rare calls the integer path cannot take (rows not 4-byte aligned, or K so large that one
 // token's activations do not fit in shared memory), use the generic float path below: a CTA of kWarps warps

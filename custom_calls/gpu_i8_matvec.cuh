@@ -1,5 +1,5 @@
-// GPU packed matvec for Q8_0, Q2_K and IQ2_XXS on integer dot products (included by gpu_ffi.cu; the arithmetic per
-// lane is i8_math.h's, which the CPU plugin's model of this path shares).
+// GPU packed matvec for Q8_0, Q2_K, Q4_K and IQ2_XXS on integer dot products (included by gpu_ffi.cu; the
+// arithmetic per lane is i8_math.h's, which the CPU plugin's model of this path shares).
 //
 // Why: at decode widths the matvec must stream weights at memory speed, and an fp32 multiply-add per
 // weight plus the decode of each weight to fp32 costs more instructions than an H200 SM can issue at that
@@ -15,6 +15,8 @@
 //     Q2_K's weights are q·sc (its 16-weight scale folded into the int8 weight, at most 3·15) with d_w = d,
 //     and its mins add fma(-dmin · 2^(e_b-22), m_0·ΣX_0 + m_1·ΣX_1, acc), ΣX_h the exact sum of the
 //     sub-block's half h (16 elements, staged with the limbs), so its 2.6-bit experts skip the float path.
+//     Q4_K's weights are its 4-bit codes, its 6-bit sub-block scale folded into d_w = d·sc (exact in fp32), and
+//     its mins add fma(-dmin·m · 2^(e_b-22), ΣX_0 + ΣX_1, acc) the same way.
 //
 // Every output's operation sequence depends only on its own row and token: batch invariant in T, in the
 // tokens sharing a CTA and in the rows sharing a warp.

@@ -1,5 +1,5 @@
 // The arithmetic of the GPU integer matvec (gpu_i8_matvec.cuh), compiled for the device and for the host:
-// the int8-limb form of the activations, the sub-block decoders of Q8_0, Q2_K and IQ2_XXS to int8 words, the
+// the int8-limb form of the activations, the sub-block decoders of Q8_0, Q2_K, Q4_K and IQ2_XXS to int8 words, the
 // exact int32 dot products and the fp32 steps that follow them. The GPU kernels call it per lane; the CPU
 // plugin's model of that path (cpu_i8_model.h) calls the same functions in the kernels' order, so the CPU
 // tests check the GPU path's numerics and the GPU tests compare its outputs bit for bit.
@@ -260,6 +260,35 @@ struct Sub<FmtQ2_K> {  // scales[16] @0, qs[64] @16, half d @80, half dmin @82: 
   }
 };
 
+// Q4_K's sub-block s of a block holds weights 32s..32s+31: 4-bit codes in the low (s even) or high nibbles of
+// qs[32·(s / 2) + l], one 6-bit scale sc and min m per sub-block: w = d·sc·q - dmin·m. Decoded as the codes
+// themselves (q·sc reaches 945, past int8), the sub-block's scale d·sc and min dmin·m as floats, both exact
+// (an 11-bit mantissa times a 6-bit integer), for `add`.
+template <>
+struct Sub<FmtQ4_K> {  // half d @0, half dmin @2, scales[12] @4, qs[128] @16: 8 sub-blocks per block
+  static constexpr int bytes_of(int subs) { return subs / 8 * 144; }
+  static constexpr int kTableBytes = 0;
+  static constexpr bool kSums = true;
+  struct Scale {
+    float dsc, dmin_m;
+  };
+  DSPARK_HD static Scale decode(const uint8_t* chunk, int sub, uint32_t q[8], const Tables&) {
+    const uint32_t blk = 144u * (uint32_t)(sub >> 3), s = (uint32_t)sub & 7u;  // blocks are 4-byte aligned
+    const uint32_t* qs = reinterpret_cast<const uint32_t*>(chunk + blk + 16u + 32u * (s >> 1));
+    const uint32_t shift = 4u * (s & 1u);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) q[i] = (qs[i] >> shift) & 0x0F0F0F0Fu;
+    uint32_t sc, m;
+    q4k_scale_min(chunk + blk + 4u, (int)s, sc, m);
+    const uint32_t dd = *reinterpret_cast<const uint32_t*>(chunk + blk);
+    return {f32_mul(half_to_float((uint16_t)dd), (float)sc), f32_mul(half_to_float((uint16_t)(dd >> 16)), (float)m)};
+  }
+  // |ΣX_0 + ΣX_1| <= 32 · 2^22: exact in int32, rounded once to fp32 (times m it could pass 2^31).
+  DSPARK_HD static float add(const Scale& s, float xs, float v, int sum0, int sum1, float acc) {
+    return f32_fma(-f32_mul(s.dmin_m, xs), i2f_rn(sum0 + sum1), f32_fma(f32_mul(s.dsc, xs), v, acc));
+  }
+};
+
 // Selector words of the IQ2_XXS tables: nibble k of grid word i is the code of byte k of grid entry i (its
 // magnitude 8, 25 or 43 as 0, 1, 2); nibble k of sign word i is 3 where bit k of iq2_sign_byte(i) is set.
 struct Iq2Selectors {
@@ -283,6 +312,7 @@ template <class F>
 bool visit_i8_format(int32_t type, F&& f) {
   if (type == kQ8_0) return f(FmtQ8_0{});
   if (type == kQ2_K) return f(FmtQ2_K{});
+  if (type == kQ4_K) return f(FmtQ4_K{});
   if (type == kIQ2_XXS) return f(FmtIQ2_XXS{});
   return false;
 }

@@ -3,8 +3,8 @@
 // A format is a struct with kBlock (weights per block), kBytes (bytes per block) and
 //   decode8(blk, g, w): the 8 weights g*8 .. g*8+7 of the block at `blk`, as float32, exactly as the
 //   format's reference dequantizer (ggml / lucebox CPU reference) computes them.
-// Byte layouts: quant_hc.md §1.2 (ROCm ids 100-107) and §4.2-4.3 (Q8_0, Q2_K, IQ2_XXS). Weight rows are
-// consecutive blocks along K; blocks are not aligned, so every multi-byte field is read bytewise.
+// Byte layouts: quant_hc.md §1.2 (ROCm ids 100-107), §4.2-4.3 (Q8_0, Q2_K, IQ2_XXS) and FmtQ4_K's comment below.
+// Weight rows are consecutive blocks along K; blocks are not aligned, so every multi-byte field is read bytewise.
 #pragma once
 #include <cstdint>
 
@@ -14,7 +14,7 @@
 namespace dspark {
 
 enum GgmlType : int32_t {
-  kF32 = 0, kF16 = 1, kQ8_0 = 8, kQ2_K = 10, kIQ2_XXS = 16, kBF16 = 30,
+  kF32 = 0, kF16 = 1, kQ8_0 = 8, kQ2_K = 10, kQ4_K = 12, kIQ2_XXS = 16, kBF16 = 30,
   kRocmFP4 = 100, kRocmFP4Fast = 101, kRocmFP6 = 102, kRocmFP8 = 103, kRocmFP3 = 104, kRocmFP2 = 107,
 };
 
@@ -57,6 +57,32 @@ struct FmtQ2_K {
     const float dl = d * (float)(sc & 15), ml = dmin * (float)(sc >> 4);
     const uint8_t* q = b + 16 + 32 * n + l0;
     for (int j = 0; j < 8; ++j) w[j] = dl * (float)((q[j] >> shift) & 3) - ml;
+  }
+};
+
+// ---- ggml Q4_K: half d @0, half dmin @2, scales[12] @4, qs[128] @16; 8 sub-blocks of 32 weights ----
+// Sub-block j's 6-bit scale and min: j < 4 the low 6 bits of scales[j] and scales[j + 4]; j >= 4 the nibbles of
+// scales[j + 4] (scale low, min high) with the top two bits of scales[j - 4] and scales[j] above them.
+DSPARK_HD void q4k_scale_min(const uint8_t* scales, int j, uint32_t& sc, uint32_t& m) {
+  if (j < 4) {
+    sc = scales[j] & 63u;
+    m = scales[j + 4] & 63u;
+  } else {
+    sc = (scales[j + 4] & 15u) | ((uint32_t)(scales[j - 4] >> 6) << 4);
+    m = (uint32_t)(scales[j + 4] >> 4) | ((uint32_t)(scales[j] >> 6) << 4);
+  }
+}
+
+// Sub-block j's codes are the low (j even) or high (j odd) nibbles of qs[32·(j / 2) ..]; w = (d·sc)·q - dmin·m.
+struct FmtQ4_K {
+  static constexpr int kBlock = 256, kBytes = 144;
+  DSPARK_HD static void decode8(const uint8_t* b, int g, float w[8]) {
+    const int j = g >> 2, shift = 4 * (j & 1);
+    uint32_t sc, m;
+    q4k_scale_min(b + 4, j, sc, m);
+    const float dl = half_to_float(load_u16(b)) * (float)sc, ml = half_to_float(load_u16(b + 2)) * (float)m;
+    const uint8_t* q = b + 16 + 32 * (j >> 1) + 8 * (g & 3);
+    for (int k = 0; k < 8; ++k) w[k] = dl * (float)((q[k] >> shift) & 15) - ml;
   }
 };
 
@@ -173,6 +199,7 @@ bool visit_format(int32_t ggml_type, F&& f) {
     case kBF16: f(FmtBF16{}); return true;
     case kQ8_0: f(FmtQ8_0{}); return true;
     case kQ2_K: f(FmtQ2_K{}); return true;
+    case kQ4_K: f(FmtQ4_K{}); return true;
     case kIQ2_XXS: f(FmtIQ2_XXS{}); return true;
     case kRocmFP4: f(FmtRocmFP4<2>{}); return true;
     case kRocmFP4Fast: f(FmtRocmFP4<1>{}); return true;

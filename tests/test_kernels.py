@@ -29,7 +29,7 @@ from dsparkjax.kernels import synthetic
 from dsparkjax.model import hc as hc_ref
 
 TYPES = sorted(kernels.KERNEL_TYPES)
-INT_PATH_TYPES = [GGMLType.Q8_0, GGMLType.Q2_K, GGMLType.IQ2_XXS]  # the formats of the GPU integer path
+INT_PATH_TYPES = [GGMLType.Q8_0, GGMLType.Q2_K, GGMLType.Q4_K, GGMLType.IQ2_XXS]  # the formats of the GPU integer path
 
 
 @pytest.fixture
@@ -103,10 +103,20 @@ def _qmatmul_id(x, w, ids, ggml_type, backend):
 
 # --------------------------------------------------------------------------- packed matmul
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+def test_dequantize_gives_the_formats_bits(ggml_type):
+    """The jnp decoders the reference kernels use give `formats.dequantize`'s values bit for bit (gguf-py's for the
+    standard types, Q4_K included), on random valid blocks."""
+    k = 2 * _block_k(ggml_type)
+    w = random_packed(np.random.default_rng(int(ggml_type)), ggml_type, (3, 5), k)
+    got = np.asarray(jax.jit(kernels.dequantize, static_argnums=(1, 2))(w, ggml_type, k))
+    np.testing.assert_array_equal(got.view(np.uint32), formats.dequantize(w, ggml_type, (3, 5, k)).view(np.uint32))
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     n=st.sampled_from([1, 3, 7, 16]),
-    nblocks=st.sampled_from([1, 3, 4]),  # 4: Q8_0, IQ2_XXS rows 4-byte aligned (GPU integer path; Q2_K's always)
+    nblocks=st.sampled_from([1, 3, 4]),  # 4: Q8_0, IQ2_XXS rows 4-byte aligned (GPU integer path; K-quants' always)
     t_rows=st.integers(1, 8),
     bf16=st.booleans(),
     seed=st.integers(0, 2**31 - 1),
@@ -192,7 +202,7 @@ def test_qmatmul_id_without_experts_gives_zero_rows(device, ggml_type):
         assert y.shape == (3, 2, 5) and np.all(y == 0), backend
 
 
-@pytest.mark.parametrize("ggml_type", [GGMLType.Q8_0, GGMLType.IQ2_XXS, GGMLType.Q2_K, GGMLType.Q2_0_ROCMFP2])
+@pytest.mark.parametrize("ggml_type", [*INT_PATH_TYPES, GGMLType.Q2_0_ROCMFP2], ids=lambda t: t.name)
 def test_qmatmul_id_batch_invariant(device, ggml_type):
     rng = np.random.default_rng(7)
     k = 4 * _block_k(ggml_type) if block_size(ggml_type) > 32 else 2048
@@ -226,7 +236,7 @@ def test_qmatmul_id_more_tokens_than_a_pass(device):
     np.testing.assert_array_equal(got[:, 0], got[:, 1])
 
 
-@pytest.mark.parametrize("ggml_type", [GGMLType.Q8_0, GGMLType.IQ2_XXS, GGMLType.Q2_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", INT_PATH_TYPES, ids=lambda t: t.name)
 def test_qmatmul_grouped_equals_one_call_per_group(device, ggml_type):
     """The grouped op (one MoE-form call) gives bit for bit what one dense call per group gives, and matches
     numpy; T = 1 and 3, three groups of 11 rows."""
@@ -265,7 +275,7 @@ def test_qmatmul_id_refuses_groups_its_ids_cannot_be(device):
 @pytest.mark.parametrize("ggml_type", INT_PATH_TYPES, ids=lambda t: t.name)
 def test_qmatmul_grouped_ds4_output_shape(device, ggml_type):
     """DS4's grouped output projection (8 groups of 4096 -> 1024) at T = 4: on GPU the tensor-core kernel takes
-    Q8_0 and IQ2_XXS, the MoE kernel's 16-warp CTAs Q2_K (one-token calls its 8-warp CTAs); each token's rows
+    Q8_0 and IQ2_XXS, the MoE kernel's 16-warp CTAs Q2_K and Q4_K (one-token calls its 8-warp CTAs); each token's rows
     equal its 1-token call, and numpy."""
     rng = np.random.default_rng(13)
     g, n, k = 8, 1024, 4096
@@ -398,7 +408,7 @@ def test_i8_model_matches_dense(cpu_device, ggml_type, n, nblocks, t_rows, bf16,
 @pytest.mark.parametrize("t", INT_PATH_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("bad", [np.nan, np.inf], ids=["nan", "inf"])
 def test_i8_model_non_finite_activation(cpu_device, t, bad):
-    """A NaN or inf makes its token's outputs NaN (Q2_K's mins included) and leaves the other token's exactly
+    """A NaN or inf makes its token's outputs NaN (Q2_K's and Q4_K's mins included) and leaves the other token's exactly
     as without it."""
     rng = np.random.default_rng(9)
     k = 512
@@ -415,7 +425,7 @@ def test_i8_model_rejects_what_the_integer_path_does_not_serve(cpu_device):
     x = np.ones((1, 64), np.float32)
     for k in (64, 32):  # 20- and 10-byte rows: the format is the reason, whatever the row length
         q2 = random_packed(np.random.default_rng(0), GGMLType.Q2_0_ROCMFP2, (2,), k)
-        with pytest.raises(jax.errors.JaxRuntimeError, match="serves Q8_0, Q2_K and IQ2_XXS"):
+        with pytest.raises(jax.errors.JaxRuntimeError, match="serves Q8_0, Q2_K, Q4_K and IQ2_XXS"):
             _i8_model(*_put(cpu_device, x[:, :k], q2), int(GGMLType.Q2_0_ROCMFP2)).block_until_ready()
     q8 = random_packed(np.random.default_rng(0), GGMLType.Q8_0, (2,), 32)  # 34-byte rows
     with pytest.raises(jax.errors.JaxRuntimeError, match="multiple of 4 bytes"):
@@ -635,8 +645,8 @@ def test_reference_backend_and_errors():
         kernels.qmatmul(x, w, GGMLType.Q8_0, backend="triton")
     with pytest.raises(FormatError, match="bytes"):
         kernels.qmatmul(np.ones((2, 96), np.float32), w, GGMLType.Q8_0)
-    with pytest.raises(UnsupportedTypeError, match="Q4_K"):
-        kernels.qmatmul(x, w, GGMLType.Q4_K)
+    with pytest.raises(UnsupportedTypeError, match="Q5_K"):
+        kernels.qmatmul(x, w, GGMLType.Q5_K)
 
 
 def test_missing_plugin_message(monkeypatch):

@@ -2,8 +2,9 @@
 
 `dequantize(w_packed, ggml_type, k)` turns uint8 `[..., row_bytes]` (rows exactly as stored in the GGUF) into
 float32 `[..., k]`, with the same fp32 operations as the format's reference dequantizer, so the values are
-bit-identical to `dsparkjax.formats.dequantize` (layouts: quant_hc.md §1.2, §4.2, §4.3). It is jit-friendly
-(`ggml_type` and `k` static) and used by `dsparkjax.kernels.reference` and by tests.
+bit-identical to `dsparkjax.formats.dequantize` (layouts: quant_hc.md §1.2, §4.2, §4.3; Q4_K: `FmtQ4_K` in
+custom_calls/quant_formats.h). It is jit-friendly (`ggml_type` and `k` static) and used by
+`dsparkjax.kernels.reference` and by tests.
 """
 
 from __future__ import annotations
@@ -66,6 +67,17 @@ def _q2_k(b: jax.Array) -> jax.Array:
     return (dl * q - ml).reshape(*lead, 256)
 
 
+def _q4_k(b: jax.Array) -> jax.Array:
+    lead = b.shape[:-1]
+    d, dmin = _half(b[..., 0:2])[..., None], _half(b[..., 2:4])[..., None]
+    low, mid, high = (b[..., 4 + 4 * i : 8 + 4 * i] for i in range(3))  # scales[0:4], [4:8], [8:12]
+    sc = jnp.concatenate([low & 63, (high & 15) | ((low >> 6) << 4)], axis=-1).astype(_F32)  # [..., 8]
+    m = jnp.concatenate([mid & 63, (high >> 4) | ((mid >> 6) << 4)], axis=-1).astype(_F32)
+    qs = b[..., 16:144].reshape(*lead, 4, 1, 32)
+    q = ((qs >> jnp.array([[0], [4]], jnp.uint8)) & 15).reshape(*lead, 8, 32).astype(_F32)  # sub-block 2i: low
+    return ((d * sc)[..., None] * q - (dmin * m)[..., None]).reshape(*lead, 256)
+
+
 def _iq2_xxs(b: jax.Array) -> jax.Array:
     lead = b.shape[:-1]
     d = _half(b[..., 0:2])[..., None]
@@ -117,6 +129,7 @@ _DECODERS: dict[GGMLType, Callable[[jax.Array], jax.Array]] = {
     GGMLType.BF16: _dense(jnp.bfloat16),
     GGMLType.Q8_0: _q8_0,
     GGMLType.Q2_K: _q2_k,
+    GGMLType.Q4_K: _q4_k,
     GGMLType.IQ2_XXS: _iq2_xxs,
     GGMLType.Q4_0_ROCMFP4: _fp4(2),
     GGMLType.Q4_0_ROCMFP4_FAST: _fp4(1),

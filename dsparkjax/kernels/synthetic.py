@@ -1,7 +1,7 @@
 """Random valid packed weights, generated on the device, and random mHC inputs (tests and benchmarks).
 
 Random bytes exercise every code of every format; only the scale fields are constrained so the blocks are
-valid: finite fp16 `d`/`dmin` (Q8_0, Q2_K, IQ2_XXS) and ROCm scale bytes in 0..0x7E (quant_hc.md §1.1).
+valid: finite fp16 `d`/`dmin` (Q8_0, Q2_K, Q4_K, IQ2_XXS) and ROCm scale bytes in 0..0x7E (quant_hc.md §1.1).
 Dense float types are random normal values. Generating with jax.random keeps multi-GB expert stacks on the
 accelerator instead of the host.
 """
@@ -23,6 +23,7 @@ _DENSE = {GGMLType.F32: jnp.float32, GGMLType.F16: jnp.float16, GGMLType.BF16: j
 _HALF_FIELDS = {
     GGMLType.Q8_0: ((0, -0.05, 0.05),),
     GGMLType.Q2_K: ((80, 0.0, 0.05), (82, 0.0, 0.05)),
+    GGMLType.Q4_K: ((0, 0.0, 0.05), (2, 0.0, 0.375)),  # dmin 7.5x d: the mins offset the mean code (7.5)
     GGMLType.IQ2_XXS: ((0, 0.0, 0.05),),
 }
 
