@@ -4,7 +4,7 @@
 (last axis = the row length K = ggml ne[0]; blocks run along it). `quantize(values, ggml_type)` is the
 inverse for the writable types and returns uint8[..., K // block_size * type_size]. Standard types go
 through gguf-py (`gguf.quants`); the six ROCm types (ids 100-104, 107) through our numpy codecs
-(`dsparkjax.formats.rocm`, bit-exact to quant_hc.md §1); Q2_K and IQ2_XXS are written by the simple
+(`dsparkjax.formats.rocm`, bit-exact to quant_hc.md §1); Q2_K, Q4_K and IQ2_XXS are written by the
 quantizers of `dsparkjax.formats.kquant`. The decoding tables that kernels need are re-exported here.
 """
 
@@ -116,8 +116,9 @@ def quantize(values: np.ndarray, ggml_type: int) -> np.ndarray:
     """Encode float values [..., K] as uint8[..., K // block_size * type_size] of a type in WRITABLE_TYPES.
 
     F32/F16 are plain casts; BF16 and Q8_0 use gguf-py (bit-exact to ggml); the ROCm types use the
-    byte-exact unweighted reference quantizer of lucebox; Q2_K and IQ2_XXS use our simple nearest-value
-    quantizers (valid blocks, sensible approximation, not ggml's bytes: see `dsparkjax.formats.kquant`).
+    byte-exact unweighted reference quantizer of lucebox; Q4_K follows ggml's `quantize_row_q4_K_ref`; Q2_K and
+    IQ2_XXS use our simple nearest-value quantizers (valid blocks, sensible approximation, not ggml's bytes: see
+    `dsparkjax.formats.kquant`).
     """
     t = _check_type(ggml_type, WRITABLE_TYPES, "quantize")
     x = np.asarray(values, np.float32)
@@ -133,6 +134,8 @@ def quantize(values: np.ndarray, ggml_type: int) -> np.ndarray:
     blocks = x.reshape(-1, block_size(t))
     if t == GGMLType.Q2_K:
         out = kquant.quantize_q2_k(blocks)
+    elif t == GGMLType.Q4_K:
+        out = kquant.quantize_q4_k(blocks)
     elif t == GGMLType.IQ2_XXS:
         out = kquant.quantize_iq2_xxs(blocks)
     else:

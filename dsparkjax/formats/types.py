@@ -115,7 +115,8 @@ FLOAT_TYPES: frozenset[GGMLType] = frozenset({GGMLType.F32, GGMLType.F16, GGMLTy
 
 # Types `dsparkjax.formats.quantize` can write.
 WRITABLE_TYPES: frozenset[GGMLType] = frozenset(
-    {GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.Q8_0, GGMLType.Q2_K, GGMLType.IQ2_XXS} | ROCM_TYPES
+    {GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.Q8_0, GGMLType.Q2_K, GGMLType.Q4_K, GGMLType.IQ2_XXS}
+    | ROCM_TYPES
 )
 
 
