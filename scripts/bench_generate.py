@@ -4,8 +4,8 @@
 
 Builds a random model (`tiny`; `wide`: a DS4-shaped model with wider dims; `ds4`: DeepSeek-V4-Flash's own dims
 and `--layers` of its 43 layers, with its full-size drafter, matrices written as random packed blocks), writes
-it as GGUF (float32, or quantized with `--recipe`: `published` is DS4's own types, run on the packed kernels
-as a real file is) and loads it back (`--kernels dequantize` runs a quantized file on dense weights instead: the packed kernels'
+it as GGUF (float32, or quantized with `--recipe`: `published` and `q4k_experts` are DS4's own types, run on the
+packed kernels as a real file is) and loads it back (`--kernels dequantize` runs a quantized file on dense weights instead: the packed kernels'
 A/B on the same numbers), then for the same random prompts measures:
 - plain decoding through the exact program (width 1 + block) and through the width-1 program (fast);
 - speculative decoding with an oracle proposer at a chosen acceptance rate (the drafter's quality is not
@@ -38,7 +38,7 @@ from dsparkjax.timing import copy_bandwidth
 from dsparkjax.tiny import write_tiny_pair
 
 _CONFIG = flags.DEFINE_enum("config", "wide", ["tiny", "wide", "ds4"], "Random model shape (ds4: DS4's own "
-                            "dims, --layers layers, --recipe published).")
+                            "dims, --layers layers, --recipe published or q4k_experts).")
 _LAYERS = flags.DEFINE_integer("layers", 8, "--config ds4: how many of DS4's 43 layers (the first ones).")
 _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["float32", "bfloat16"], "Compute dtype.")
 _RECIPE = flags.DEFINE_enum("recipe", "f32", list(RECIPES), "Quant recipe of the written GGUFs (f32: dense "
@@ -124,9 +124,9 @@ def mismatch_rate(a: list[Result], b: list[Result]) -> float:
 def bench_configs() -> tuple[TargetConfig, DrafterConfig]:
     """The flags' target and drafter configs."""
     if _CONFIG.value == "ds4":
-        if _RECIPE.value != "published":
+        if _RECIPE.value not in ("published", "q4k_experts"):
             raise app.UsageError("--config ds4 writes its matrices as random blocks of DS4's published types: "
-                                 f"use --recipe published, not {_RECIPE.value}")
+                                 f"use --recipe published or q4k_experts, not {_RECIPE.value}")
         return deepseek_v4_flash(_LAYERS.value), dspark_flash(_LAYERS.value)
     cfg = wide_target() if _CONFIG.value == "wide" else tiny_target()
     return cfg, tiny_drafter(cfg)

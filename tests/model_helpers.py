@@ -143,7 +143,7 @@ def decode_single(target, state, tokens, start, count, width=1):
 
 def recipe_configs(recipe: str) -> tuple[TargetConfig, DrafterConfig]:
     """Tiny configs whose quantized rows are whole blocks for `recipe`."""
-    if recipe == "published":  # IQ2_XXS / Q2_K rows are 256 wide; 4 experts and 64 tokens keep it quick
+    if recipe in ("published", "q4k_experts"):  # k-quant rows are 256 wide; 4 experts and 64 tokens keep it quick
         target = dataclasses.replace(tiny_target(vocab_size=64, hidden_size=256, moe_intermediate_size=256),
                                      n_routed_experts=4)
         return target, dataclasses.replace(tiny_drafter(target), n_routed_experts=4)

@@ -53,6 +53,39 @@ def test_packed_weights_match_dequantized(backend):
     assert np.abs(got - want).max() / np.abs(want).max() < 1e-4
 
 
+@functools.lru_cache(maxsize=None)
+def q4k_experts_pair() -> tuple[str, str]:
+    """A tiny pair written with the Q4KExperts recipe (routed experts Q4_K, the rest as `published`)."""
+    tcfg, dcfg = recipe_configs("q4k_experts")
+    return write_tiny_pair(tempfile.mkdtemp(prefix="dsparkjax-q4k-"), recipe="q4k_experts", tokenizer=None,
+                           target_cfg=tcfg, drafter_cfg=dcfg)
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("ffi", marks=needs_plugin)])
+def test_q4k_experts_load_packed_and_generate_as_dequantized(backend):
+    """A Q4KExperts file keeps its routed experts packed as Q4_K (gate with up stacked, down) on the packed
+    kernels, gives the dequantized model's logits to float32 rounding and the same greedy tokens, the drafter's
+    experts packed too."""
+    target_path, draft_path = q4k_experts_pair()
+    dense = load_target(target_path, kernels="dequantize", simulate_qat=False)
+    packed = load_target(target_path, kernels=backend, simulate_qat=False)
+    for blk in packed.params.blocks:
+        (gate_up,) = blk.moe.gate_up.parts
+        for w in (gate_up, blk.moe.down):
+            assert isinstance(w, PackedWeight) and w.ggml_type == int(GGMLType.Q4_K) and w.backend == backend
+        assert blk.moe.down.data.dtype == jnp.uint8
+    drafter = load_drafter(draft_path, packed)
+    assert drafter.params.stages[0].moe.down.ggml_type == int(GGMLType.Q4_K)
+    vocab = packed.config.vocab_size
+    tokens = np.random.default_rng(0).integers(0, vocab, (2, 24))
+    want, got = forward(dense, tokens), forward(packed, tokens)
+    assert np.abs(got - want).max() / np.abs(want).max() < 1e-4
+    prompts = [list(range(3, 12)), [7, 1, 30]]
+    plain = generate(dense, prompts, mode="ar", max_new_tokens=10, stop_tokens=())
+    ours = generate(packed, prompts, mode="ar", max_new_tokens=10, stop_tokens=())
+    assert [r.token_ids for r in ours] == [r.token_ids for r in plain]
+
+
 def test_auto_picks_packed_kernels_for_quantized_files():
     target_path, _ = rocmfpx_pair()
     assert load_target(target_path).kernels == kernels.default_backend()

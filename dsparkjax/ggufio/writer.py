@@ -6,6 +6,8 @@ Parameters are given as `{gguf tensor name: float32 array in numpy (PyTorch) sha
 - `published`: the antirez/ds4 IQ2XXS-w2Q2K-AProjQ8-SExpQ8-OutQ8 layout (routed gate/up IQ2_XXS, down Q2_K;
   attention, shared experts, output Q8_0; embeddings, HC, compressor, indexer, router F16; norms, sinks,
   biases F32; tid2eid I32), applied to the drafter likewise;
+- `q4k_experts`: the antirez/ds4 Q4KExperts-F16HC-F16Compressor-F16Indexer-Q8Attn-Q8Shared-Q8Out layout: routed
+  gate, up and down Q4_K, the rest as `published`, drafter likewise;
 - `rocmfpx`: lucebox-style — target routed gate/up ROCmFP2, down ROCmFP3, dense as `published`; drafter
   routed experts ROCmFP4_FAST with dense F16 ("Q4RMFP4-denseF16").
 Unknown ids such as the lucebox types are written as raw bytes with an explicit type id, which gguf-py
@@ -34,7 +36,7 @@ _PUBLISHED: dict[str, int] = {
 }
 _ROCMFPX_DRAFTER_DENSE = {**_PUBLISHED, "attention": T.F16, "shared_expert": T.F16, "draft_fc": T.F16}
 
-RECIPES = ("f32", "published", "rocmfpx")
+RECIPES = ("f32", "published", "q4k_experts", "rocmfpx")
 QUANT_RECIPE_KEY = "dsparkjax.quant_recipe"  # informational; the types per family are the truth
 
 
@@ -46,6 +48,8 @@ def recipe_type(recipe: str, spec: TensorSpec, *, drafter: bool) -> int:
         if spec.family == "routed_expert":
             return T.Q2_K if "ffn_down" in spec.name else T.IQ2_XXS
         return _PUBLISHED[spec.family]
+    if recipe == "q4k_experts":
+        return T.Q4_K if spec.family == "routed_expert" else _PUBLISHED[spec.family]
     if recipe == "rocmfpx":
         if spec.family == "routed_expert":
             if drafter:
