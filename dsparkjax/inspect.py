@@ -4,7 +4,8 @@
 
 Checks the whole contract of each file (metadata, tensor table, the drafter's fit to the target; with
 `--check_bytes` also every ROCm tensor's scale bytes) and prints the config, the tensor count, the bytes
-per tensor family and the quant recipe actually found (family -> ggml types). On a contract violation it
+per tensor family, the quant recipe actually found (family -> ggml types) and the quantized types whose
+matrices stay packed on the kernels under kernels="ffi"/"reference". On a contract violation it
 prints the error message and exits with status 1.
 """
 
@@ -24,6 +25,7 @@ from dsparkjax.ggufio.contract import (
 )
 from dsparkjax.ggufio.reader import GGUFFile
 from dsparkjax.ggufio.writer import QUANT_RECIPE_KEY
+from dsparkjax.kernels.packed import KERNEL_TYPES
 
 
 def _describe_file(kind: str, file: GGUFFile, cfg, specs, check_bytes: bool) -> list[str]:
@@ -45,12 +47,23 @@ def _describe_file(kind: str, file: GGUFFile, cfg, specs, check_bytes: bool) -> 
     recipe = file.metadata.get(QUANT_RECIPE_KEY)
     lines.append("  quant recipe (family -> ggml types found)" + (f", written as {recipe!r}:" if recipe else ":"))
     lines += [f"    {fam}: {', '.join(sorted(types[fam]))}" for fam in order]
+    lines.append(_kernel_line(file))
     if check_bytes:
         rocm = [info for info in file.tensors.values() if formats.is_rocm_type(info.ggml_type)]
         for info in rocm:
             check_tensor_bytes(file.path, info, file.raw(info.name))
         lines.append(f"  scale bytes: {len(rocm)} ROCm tensor(s) checked, all valid")
     return lines
+
+
+def _kernel_line(file: GGUFFile) -> str:
+    """The file's quantized types (bytes stored) that the packed kernels take: its matrices of these types
+    stay packed under kernels="ffi"/"reference"."""
+    dense = {formats.type_name(t) for t in formats.FLOAT_TYPES | formats.INTEGER_TYPES}
+    kernel_names = {formats.type_name(t) for t in KERNEL_TYPES}
+    stored = {name: n for name, n in file.bytes_by_type().items() if name in kernel_names - dense}
+    listing = ", ".join(f"{name} ({stored[name]} bytes)" for name in sorted(stored)) or "none"
+    return f"  packed on the kernels (kernels=ffi/reference): {listing}"
 
 
 def describe(path: str, draft: str | None = None, check_bytes: bool = False) -> str:

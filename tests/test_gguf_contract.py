@@ -185,6 +185,9 @@ def test_describe_lists_config_and_recipe(written, kind):
             expected.setdefault(spec.family, set()).add(formats.type_name(m.encoded[spec.name].ggml_type))
     for family, types in expected.items():
         assert f"    {family}: {', '.join(sorted(types))}\n" in section + "\n", family
+    quantized = sorted({t for types in expected.values() for t in types} - {"F32", "F16", "BF16", "I32"})
+    packed_line = next(line for line in section.splitlines() if line.startswith("  packed on the kernels"))
+    assert [part.split(" (")[0] for part in packed_line.split(": ", 1)[1].split(", ")] == (quantized or ["none"])
     if m.drafter:
         assert text.endswith("drafter fits the target: yes")
 
