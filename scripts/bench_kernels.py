@@ -39,7 +39,7 @@ from dsparkjax.timing import copy_bandwidth, seconds_per_call
 FLAGS = flags.FLAGS
 flags.DEFINE_list(
     "formats",
-    "Q8_0,Q2_K,IQ2_XXS,Q4_0_ROCMFP4_FAST,Q4_0_ROCMFP4,Q2_0_ROCMFP2,Q3_0_ROCMFPX,Q6_0_ROCMFPX,Q8_0_ROCMFPX",
+    "Q8_0,Q2_K,Q4_K,IQ2_XXS,Q4_0_ROCMFP4_FAST,Q4_0_ROCMFP4,Q2_0_ROCMFP2,Q3_0_ROCMFPX,Q6_0_ROCMFPX,Q8_0_ROCMFPX",
     "GGMLType names to benchmark",
 )
 flags.DEFINE_list("shapes", "attn_a,wide_b,grouped_o,dense_8k,exp_up6,exp_up24,exp_down6,exp_down24",

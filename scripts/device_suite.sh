@@ -10,9 +10,10 @@
 # Not run by default: `ds4` (DeepSeek-V4-Flash's own dims with 8 of its layers: the step at widths 1-6 at batch 1
 # and 8, and generation at batch 1), `step` (the compiled generation step alone, widths 1 and 6, with its trace: where a step's
 # device time goes), `hc` (the mHC custom calls' time per call, outputs saved for comparing builds), `durations` (every kernel benchmark call's kernel time alone, under Nsight Compute),
-# `profile` (one call of each of two kernels in depth, with each pipe's utilisation) and `routes` (the packed
+# `profile` (one call of each of two kernels in depth, with each pipe's utilisation), `routes` (the packed
 # kernel against the model's dense copy on XLA's GEMM at small and large row counts: what sets GEMM_MIN_ROWS in
-# model/weights.py).
+# model/weights.py) and `q4k` (the Q4_K GPU tests alone, then Q4_K against Q2_K and IQ2_XXS at DS4's expert
+# shapes, T = 1, 2, 4, 8: about four minutes).
 set -uo pipefail
 SECTIONS="${*:-tests kernels generate}"
 want() { [[ " $SECTIONS " == *" $1 "* ]]; }
@@ -35,6 +36,14 @@ if want tests; then
 echo "== GPU kernels and packed model"
 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_packed_model.py -k "gpu or packed" \
   > "$OUT/tests.log" 2>&1; tail -3 "$OUT/tests.log"
+fi
+if want q4k; then
+echo "== Q4_K: GPU tests, then the kernel benchmark at DS4's expert shapes"
+python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_packed_model.py -k "gpu and Q4_K or q4k" \
+  > "$OUT/q4k_tests.log" 2>&1; tail -3 "$OUT/q4k_tests.log"
+python3 scripts/bench_kernels.py --formats=Q4_K,Q2_K,IQ2_XXS --t_rows=1,2,4,8 --calls=64 --reps=20 \
+  --shapes=exp_up6,exp_up24,exp_down6,exp_down24,exp_gate_up6,exp_gate_up24 \
+  --json_out="$OUT/q4k_kernels.json" > "$OUT/q4k_kernels.log" 2>&1; tail -40 "$OUT/q4k_kernels.log"
 fi
 if want kernels; then
 echo "== kernel benchmark"
