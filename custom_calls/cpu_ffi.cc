@@ -87,7 +87,8 @@ ffi::Error QMatmulI8ModelCpu(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi
     return true;
   });
   if (!served)
-    return arg_error("the integer-path model serves Q8_0, Q2_K, Q4_K and IQ2_XXS, not ggml type " + std::to_string(ggml_type));
+    return arg_error("the integer-path model serves Q8_0, Q2_K, Q4_K and IQ2_XXS, not ggml type " +
+                     std::to_string(ggml_type));
   return result;
 }
 
