@@ -13,7 +13,7 @@
 # `profile` (one call of each of two kernels in depth, with each pipe's utilisation), `routes` (the packed
 # kernel against the model's dense copy on XLA's GEMM at small and large row counts: what sets GEMM_MIN_ROWS in
 # model/weights.py) and `q4k` (the Q4_K GPU tests alone, then Q4_K against Q2_K and IQ2_XXS at DS4's expert
-# shapes, T = 1, 2, 4, 8: about four minutes).
+# shapes, T = 1, 2, 4, 8; its time is not measured yet, the kernels section's size).
 set -uo pipefail
 SECTIONS="${*:-tests kernels generate}"
 want() { [[ " $SECTIONS " == *" $1 "* ]]; }
