@@ -76,7 +76,8 @@ def enable_compilation_cache(cache_dir: str | None = None) -> str | None:
     os.makedirs(path, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)  # no size floor, no filesystem override
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
+    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:  # JAX's own variable wins
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
     from jax.experimental.compilation_cache import compilation_cache
 
     compilation_cache.reset_cache()  # a cache JAX checked before (and found off) is looked at again
