@@ -12,7 +12,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import datetime
-import os
 import platform
 import resource
 import statistics
@@ -58,13 +57,7 @@ def configs(config: str, layers: int | None) -> tuple[TargetConfig, DrafterConfi
     if config == "ds4":
         layers = layers or 43
         return deepseek_v4_flash(layers), dspark_flash(layers)
-    full = tiny_target()
-    n = layers or full.num_layers
-    if not 1 <= n <= full.num_layers:
-        raise ValueError(f"--config tiny has {full.num_layers} layers; got --layers {n}")
-    cfg = dataclasses.replace(full, num_layers=n, compress_ratios=full.compress_ratios[:n],
-                              swiglu_limit=full.swiglu_limit[:n], swiglu_limit_shared=full.swiglu_limit_shared[:n],
-                              num_hash_layers=min(full.num_hash_layers, n))
+    cfg = tiny_target(layers=layers or 4)
     return cfg, tiny_drafter(cfg)
 
 
