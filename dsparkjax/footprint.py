@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
 
 from dsparkjax.config import TargetConfig
 from dsparkjax.errors import DeviceMemoryError
+from dsparkjax.ggufio.reader import TensorInfo
 from dsparkjax.model.state import init_state
 from dsparkjax.runtime import MEM_FRACTION
 
@@ -47,6 +48,16 @@ def step_weight_bytes(params: Any, cfg: TargetConfig) -> int:
     embed = tree_bytes(params.embed)
     selected = experts * cfg.n_active_experts // cfg.n_routed_experts
     return tree_bytes(params) - embed + embed // cfg.vocab_size - experts + selected
+
+
+def stored_step_weight_bytes(tensors: Mapping[str, TensorInfo], cfg: TargetConfig) -> int:
+    """`step_weight_bytes` counted on a target file's tensors as stored (their GGUF bytes): what a step would read
+    if every weight stayed in its file format (the loader holds the HC, router and compressor weights, F16 in
+    the published files, as float32)."""
+    total = sum(info.nbytes for info in tensors.values())
+    experts = sum(info.nbytes for name, info in tensors.items() if "_exps." in name)
+    embed = tensors["token_embd.weight"].nbytes
+    return total - embed + embed // cfg.vocab_size - experts + experts * cfg.n_active_experts // cfg.n_routed_experts
 
 
 @dataclasses.dataclass(frozen=True)

@@ -50,6 +50,7 @@ class Model:
     drafter: Drafter | None
     recipe: str
     load_s: float
+    stored: dict  # the target's tensors as stored: name -> TensorInfo
 
 
 def configs(config: str, layers: int | None) -> tuple[TargetConfig, DrafterConfig]:
@@ -68,20 +69,22 @@ def build_model(s: Settings) -> Model:
     if s.gguf:
         target = load_target(s.gguf, dtype=s.dtype, kernels=s.kernels, progress=True)
         drafter = load_drafter(s.draft, target, progress=True) if s.draft else None
-        recipe = str(open_gguf(s.gguf).metadata.get(QUANT_RECIPE_KEY, "as written"))
+        file = open_gguf(s.gguf)
+        recipe, stored = str(file.metadata.get(QUANT_RECIPE_KEY, "as written")), file.tensors
     else:
         tcfg, dcfg = configs(s.config, s.layers)
         recipe = "published" if s.config == "ds4" else "f32"
         backend = "dequantize" if recipe == "f32" else (kernels.default_backend() if s.kernels == "auto" else s.kernels)
         pack, dtype = (None if backend == "dequantize" else backend), DTYPES[s.dtype]
         tsrc, dsrc = random_sources(tcfg, dcfg, seed=s.seed, recipe=recipe)
+        stored = tsrc.tensors
         shapes = (load_target_params(ShapeSource(tsrc.path, tsrc.tensors), tcfg, dtype, pack),
                   load_drafter_params(ShapeSource(dsrc.path, dsrc.tensors), dcfg, dtype, pack))
         footprint.check_fits(footprint.tree_bytes(shapes), "the random target and drafter")
         target = Target(RANDOM, tcfg, load_target_params(tsrc, tcfg, dtype, pack), dtype, True, None, backend)
         drafter = Drafter(RANDOM, dcfg, load_drafter_params(dsrc, dcfg, dtype, pack), target)
     jax.block_until_ready((target.params, drafter.params if drafter else None))
-    return Model(target, drafter, recipe, time.perf_counter() - start)
+    return Model(target, drafter, recipe, time.perf_counter() - start, stored)
 
 
 def meta(s: Settings, model: Model, configured: runtime.Settings) -> dict[str, Any]:
@@ -228,6 +231,7 @@ class Bench:
         return dict(load_s=self.model.load_s, target_bytes=footprint.tree_bytes(target.params),
                     drafter_bytes=footprint.tree_bytes(drafter.params) if drafter else 0,
                     read_per_token_bytes=footprint.step_weight_bytes(target.params, target.config),
+                    read_per_token_stored_bytes=footprint.stored_step_weight_bytes(self.model.stored, target.config),
                     read_per_token_model=READ_MODEL)
 
     def batch_capacity(self) -> int:
@@ -411,13 +415,17 @@ class Bench:
                     host_peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # KiB on Linux
 
     def roofline(self) -> dict[str, Any]:
-        """The weight-streaming floor of a step from the bytes a token reads and the copy bandwidth."""
+        """The weight-streaming floor of a step: the bytes a token reads (as held, and as stored in the file) at
+        the copy bandwidth, and its fraction of the measured step and of plain decoding's time per token."""
         r = self.part.results
-        step_ms = r["weights"]["read_per_token_bytes"] / (r["copy_bandwidth_gbs"] * 1e9) * 1e3
         q1 = (r.get("steps") or {}).get("1", {}).get("ms")
         plain = (r.get("plain_decode") or {}).get(str(self.s.contexts[0]), {}).get("ms_per_token")
-        return dict(step_ms=step_ms, tok_s=1e3 / step_ms, fraction_of_q1_step=step_ms / q1 if q1 else None,
-                    fraction_of_plain_decode=step_ms / plain if plain else None)
+        out = {}
+        for name, key in (("held", "read_per_token_bytes"), ("stored", "read_per_token_stored_bytes")):
+            step_ms = r["weights"][key] / (r["copy_bandwidth_gbs"] * 1e9) * 1e3
+            out[name] = dict(step_ms=step_ms, tok_s=1e3 / step_ms, fraction_of_q1_step=step_ms / q1 if q1 else None,
+                             fraction_of_plain_decode=step_ms / plain if plain else None)
+        return out
 
 
 def run(role: str, s: Settings, configured: runtime.Settings, part: Part, t0: float) -> None:
