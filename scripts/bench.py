@@ -9,8 +9,8 @@ By default the target is DeepSeek-V4-Flash with the published recipe (`config.de
 `writer.RECIPES`) and the full-size DSpark drafter (`config.dspark_flash`), their weights random valid packed
 blocks generated on the device (`tiny.DeviceRandomSource`: no file, no host copy). It measures, each a
 median over `--reps` timed runs after a warm-up, in one process: the weights' build (or load) time and bytes,
-the first-token latency of a cold start and of a second process's warm start (compiled programs from the
-persistent cache), every program's compile time, plain decoding's tok/s at several contexts, the decode step
+the first-token latency of a second process's warm start (compiled programs from the persistent cache; and
+of this run's cold start with --cold_start), every program's compile time, plain decoding's tok/s at several contexts, the decode step
 at widths 1-6, the drafter's proposal, exact speculative decoding at controlled acceptance, batched
 decoding's aggregate tok/s, the copy bandwidth, the weight bytes a token reads and the roofline fraction,
 and device and host memory. It prints one table and writes the JSON documented in docs/bench.md (and in the
@@ -35,7 +35,7 @@ import tempfile  # noqa: E402
 from typing import Any  # noqa: E402
 
 from absl import app, flags, logging  # noqa: E402
-from bench_results import MEASUREMENTS, Part, Settings, errors, table  # noqa: E402  (scripts/ is on sys.path)
+from bench_results import MEASUREMENTS, STARTUP_NEW_TOKENS, Part, Settings, errors, table  # noqa: E402  (scripts/ is on sys.path)
 
 _CONFIG = flags.DEFINE_enum("config", "ds4", ["ds4", "tiny"], "ds4: DeepSeek-V4-Flash and its DSpark drafter with "
                             "the published recipe; tiny: the CPU test model (float32 tensors). Ignored with --gguf.")
@@ -59,8 +59,12 @@ _STEPS = flags.DEFINE_integer("steps", None, "Decode steps per timed run (defaul
 _SPEC_TOKENS = flags.DEFINE_integer("spec_tokens", None, "Tokens per speculative run (default ds4: 64, tiny: 12).")
 _COPY_MIB = flags.DEFINE_integer("copy_mib", None, "MiB per buffer of the copy-bandwidth probe (16 buffers in all; "
                                  "default ds4: 256, tiny: 16).")
-_STARTUP_TOKENS = flags.DEFINE_integer("startup_tokens", 8, "New tokens of the start-up `generate` call.")
-_COMPILE_THREADS = flags.DEFINE_integer("compile_threads", 4, "Programs compiled at once (after the width-1 "
+_STARTUP_TOKENS = flags.DEFINE_integer("startup_tokens", STARTUP_NEW_TOKENS, "New tokens of the start-up "
+                                       "`generate` call.")
+_COLD_START = flags.DEFINE_bool("cold_start", False, "Also time the measure process's own start to its first token, "
+                                "compiling generate's programs alone before the others (a minute or two at full "
+                                "size); without it they compile with the others, for the warm start.")
+_COMPILE_THREADS = flags.DEFINE_integer("compile_threads", 6, "Programs compiled at once (after the width-1 "
                                         "program, compiled alone for its own compile time).")
 _WARM_START = flags.DEFINE_bool("warm_start", True, "Also time a second process's start to its first token.")
 _MEASURE = flags.DEFINE_list("measure", ["all"], "Measurements to run (all, or some of: "
@@ -81,11 +85,13 @@ def settings() -> Settings:
     return Settings(
         config="gguf" if _GGUF.value else _CONFIG.value, layers=_LAYERS.value, gguf=_GGUF.value, draft=_DRAFT.value,
         dtype=_DTYPE.value, kernels=_KERNELS.value, seed=_SEED.value, compile_threads=_COMPILE_THREADS.value,
-        startup_tokens=_STARTUP_TOKENS.value, contexts=contexts, capacity=_CAPACITY.value or max(contexts) + 1024,
-        widths=tuple(int(w) for w in _WIDTHS.value), acceptance=tuple(float(p) for p in _ACCEPTANCE.value),
+        startup_tokens=_STARTUP_TOKENS.value, cold_start=_COLD_START.value, contexts=contexts,
+        capacity=_CAPACITY.value or max(contexts) + 1024, widths=tuple(int(w) for w in _WIDTHS.value),
+        acceptance=tuple(float(p) for p in _ACCEPTANCE.value),
         batches=tuple(int(b) for b in (_BATCHES.value or (["2", "4"] if tiny else ["8", "32"]))),
-        copy_mib=_COPY_MIB.value or (16 if tiny else 256), reps=_REPS.value or (2 if tiny else 5), steps=_STEPS.value or (4 if tiny else 32),
-        spec_tokens=_SPEC_TOKENS.value or (12 if tiny else 64), measure=measure)
+        copy_mib=_COPY_MIB.value or (16 if tiny else 256), reps=_REPS.value or (2 if tiny else 5),
+        steps=_STEPS.value or (4 if tiny else 32), spec_tokens=_SPEC_TOKENS.value or (12 if tiny else 64),
+        measure=measure)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -110,8 +116,8 @@ def run_parent() -> None:
         results = _child("measure", os.path.join(tmp, "measure.json"))
         if _WARM_START.value and "startup" in settings().measure:
             warm = _child("startup", os.path.join(tmp, "startup.json"))
-            startup = results.get("startup")
-            if isinstance(startup, dict) and "error" not in startup:
+            startup = results.setdefault("startup", {})
+            if "error" not in startup:
                 startup["warm"] = warm.get("startup", {}).get("warm", {"error": "the startup process wrote nothing"})
             results.setdefault("errors", {}).update(warm.get("errors", {}))
     if not results.get("errors"):

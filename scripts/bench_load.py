@@ -28,7 +28,8 @@ import sys  # noqa: E402
 import tempfile  # noqa: E402
 
 from absl import app, flags, logging  # noqa: E402
-from bench_results import Part, count_files, errors, git_commit  # noqa: E402  (scripts/ is on sys.path)
+from bench_results import (  # noqa: E402  (scripts/ is on sys.path)
+    STARTUP_NEW_TOKENS, STARTUP_PROMPT_TOKENS, Part, count_files, errors, git_commit)
 
 _CONFIG = flags.DEFINE_enum("config", "ds4", ["ds4", "tiny"], "The sparse files' model (ignored with --gguf).")
 _LAYERS = flags.DEFINE_integer("layers", None, "Target layers, the first N (ds4: of 43, default 43; tiny: of 4).")
@@ -37,8 +38,10 @@ _DIR = flags.DEFINE_string("dir", None, "Where to write the sparse files (defaul
 _GGUF = flags.DEFINE_string("gguf", None, "Load this target GGUF instead of writing one.")
 _DRAFT = flags.DEFINE_string("draft", None, "With --gguf: its drafter GGUF.")
 _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["float32", "bfloat16"], "Compute dtype.")
-_PROMPT_TOKENS = flags.DEFINE_integer("prompt_tokens", 32, "Prompt length (random ids); bench.py's start-up uses 32.")
-_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 8, "Tokens to generate; bench.py's start-up uses 8.")
+_PROMPT_TOKENS = flags.DEFINE_integer("prompt_tokens", STARTUP_PROMPT_TOKENS, "Prompt length (random ids): by "
+                                      "default bench.py's start-up call's, whose programs it then finds cached.")
+_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", STARTUP_NEW_TOKENS, "Tokens to generate (default: as bench.py's "
+                                   "start-up call).")
 _JSON_OUT = flags.DEFINE_string("json_out", None, "Write the results here as JSON.")
 
 SCHEMA = "dsparkjax.bench_load/1"

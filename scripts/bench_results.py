@@ -14,6 +14,7 @@ import traceback
 from typing import Any, Callable
 
 SCHEMA = "dsparkjax.bench/1"
+STARTUP_PROMPT_TOKENS, STARTUP_NEW_TOKENS = 32, 8  # the start-up generate call (bench.py and bench_load.py)
 MEASUREMENTS = ("startup", "copy_bandwidth", "plain_decode", "steps", "drafter", "speculative", "batched")
 
 # Every field of the JSON, `*` standing for a key (a context, width, acceptance rate, batch or program name).
@@ -67,9 +68,9 @@ FIELDS = {
     "compile.programs.*.seconds": "wall seconds to compile one program (name: what it runs)",
     "compile.first_program_s": "seconds to compile the batch-1 width-1 decode program alone",
     "compile.concurrent_wall_s": "wall seconds to compile the other programs, compile_threads at a time",
-    "startup.*.process_to_first_token_s": "cold: this run's measure process; warm: a second process with the "
-                                          "compilation cache filled: seconds from the process's start to the "
-                                          "first generated token",
+    "startup.*.process_to_first_token_s": "warm: a second process, its programs in the compilation cache; cold "
+                                          "(with --cold_start): the measure process, compiling them: seconds from "
+                                          "the process's start to the first generated token",
     "startup.*.imports_s": "seconds from the process's start to dsparkjax imported",
     "startup.*.weights_s": "seconds to build or load the weights",
     "startup.*.generate_to_first_token_s": "seconds from calling generate to its first token (compiling or "
@@ -126,6 +127,7 @@ class Settings:
     seed: int
     compile_threads: int
     startup_tokens: int
+    cold_start: bool
     contexts: tuple[int, ...]
     capacity: int
     widths: tuple[int, ...]

@@ -244,5 +244,30 @@ def test_bench_tiny_writes_every_documented_field(tmp_path):
     assert "warm start to first token" in proc.stdout
 
 
+def test_bench_load_tiny_loads_the_sparse_pair_and_generates(tmp_path):
+    """bench_load.py writes a sparse pair (no disk), loads it with the public API and generates zeros; its JSON
+    has exactly its documented fields, all in docs/bench.md."""
+    sys.path.insert(0, str(SCRIPTS))
+    from bench_results import errors
+
+    out = tmp_path / "load.json"
+    env = {**os.environ, "DSPARKJAX_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "bench_load.py"), "--config=tiny", "--layers=2",
+                           f"--dir={tmp_path / 'sparse'}", f"--json_out={out}"], capture_output=True, text=True,
+                          timeout=600, check=False, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert not errors(results), errors(results)
+    fields = results["fields"]
+    leaves = _leaf_paths(results)
+    assert [p for p in leaves if not any(_matches(f, p) for f in fields)] == []
+    assert [f for f in fields if not any(_matches(f, p) for p in leaves)] == []
+    docs = (SCRIPTS.parent / "docs" / "bench.md").read_text()
+    assert [f for f in fields if f"`{f}`" not in docs] == []
+    assert results["files"]["target_disk_bytes"] < results["files"]["target_bytes"]
+    assert results["generate"]["token_ids"] == [0] * 8
+    assert results["load"]["host_peak_rss_bytes"] >= results["load"]["host_rss_before_bytes"] > 0
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__]))
