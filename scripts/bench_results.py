@@ -187,19 +187,12 @@ def table(r: dict) -> str:
     for label, path, unit, scale in (
             ("weights: build/load", "weights.load_s", "s", 1), ("weights: target", "weights.target_bytes", "GB", 1e-9),
             ("weights: drafter", "weights.drafter_bytes", "GB", 1e-9),
-            ("weights read per token", "weights.read_per_token_bytes", "GB", 1e-9),
+            ("weights read per token, as held", "weights.read_per_token_bytes", "GB", 1e-9),
+            ("weights read per token, as stored", "weights.read_per_token_stored_bytes", "GB", 1e-9),
             ("device memory after load", "memory.device_in_use_after_load_bytes", "GB", 1e-9),
             ("device memory peak", "memory.device_peak_bytes", "GB", 1e-9),
             ("host peak RSS", "memory.host_peak_rss_bytes", "GB", 1e-9),
             ("copy bandwidth", "copy_bandwidth_gbs", "GB/s", 1),
-            ("weights read per token, as stored", "weights.read_per_token_stored_bytes", "GB", 1e-9),
-            ("roofline step, as held", "roofline.held.step_ms", "ms", 1),
-            ("roofline step, as stored", "roofline.stored.step_ms", "ms", 1),
-            ("roofline, as held", "roofline.held.tok_s", "tok/s", 1),
-            ("roofline, as stored", "roofline.stored.tok_s", "tok/s", 1),
-            ("roofline fraction of the q=1 step (held)", "roofline.held.fraction_of_q1_step", "", 1),
-            ("roofline fraction of plain decoding (held)", "roofline.held.fraction_of_plain_decode", "", 1),
-            ("roofline fraction of the q=1 step (stored)", "roofline.stored.fraction_of_q1_step", "", 1),
             ("compile: width-1 program alone", "compile.first_program_s", "s", 1),
             ("compile: the others, concurrently", "compile.concurrent_wall_s", "s", 1),
             ("cold start to first token", "startup.cold.process_to_first_token_s", "s", 1),
@@ -208,8 +201,12 @@ def table(r: dict) -> str:
             ("plain exact decoding", "speculative.plain_exact.tok_s", "tok/s", 1)):
         value = _get(r, path)
         rows.append((label, "-" if value is None else f"{value * scale:.4g}", unit))
-    for name, section in (r.get("compile", {}).get("programs") or {}).items():
-        rows.append((f"compile: {name}", f"{section.get('seconds', 0):.1f}", "s"))
+    for kind, v in _sections(r, "roofline"):
+        rows.append((f"roofline, weights as {kind}", f"{_fmt(v, 'step_ms')} ms, {_fmt(v, 'tok_s')} tok/s; "
+                                                   f"{_fmt(v, 'fraction_of_q1_step')} of the q=1 step, "
+                                                   f"{_fmt(v, 'fraction_of_plain_decode')} of plain decoding", ""))
+    for name, v in _sections(r.get("compile") or {}, "programs"):
+        rows.append((f"compile: {name}", _fmt(v, "seconds"), "s"))
     for ctx, v in _sections(r, "plain_decode"):
         rows.append((f"plain decode at {ctx} (capacity {v.get('capacity')})", _fmt(v, "tok_s"), "tok/s"))
     for q, v in _sections(r, "steps"):
