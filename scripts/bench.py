@@ -10,11 +10,12 @@ By default the target is DeepSeek-V4-Flash with the published recipe (`config.de
 blocks generated on the device (`tiny.DeviceRandomSource`: no file, no host copy). It measures, each a
 median over `--reps` timed runs after a warm-up, in one process: the weights' build (or load) time and bytes,
 the first-token latency of a second process's warm start (compiled programs from the persistent cache; and
-of this run's cold start with --cold_start), every program's compile time, plain decoding's tok/s at several contexts, the decode step
-at widths 1-6, the drafter's proposal, exact speculative decoding at controlled acceptance, batched
-decoding's aggregate tok/s, the copy bandwidth, the weight bytes a token reads and the roofline fraction,
-and device and host memory. It prints one table and writes the JSON documented in docs/bench.md (and in the
-JSON itself, under "fields"). A measurement that fails records its error and the run goes on.
+of this run's cold start with --cold_start), every program's compile time, plain decoding's tok/s at several
+contexts, the decode step at widths 1-6, the drafter's proposal, exact speculative decoding at controlled
+acceptance, batched decoding's aggregate tok/s, the copy bandwidth, the weight bytes a token reads and the
+roofline fraction, and device and host memory. It prints one table and writes the JSON documented in
+docs/bench.md (and in the JSON itself, under "fields"). A measurement that fails records its error and the run
+goes on.
 
 Process layout: this process runs two children, `--role measure` (everything above but the warm start) and
 then `--role startup` (a fresh process: weights, then `generate` to its first token), and merges their
@@ -35,7 +36,8 @@ import tempfile  # noqa: E402
 from typing import Any  # noqa: E402
 
 from absl import app, flags, logging  # noqa: E402
-from bench_results import MEASUREMENTS, STARTUP_NEW_TOKENS, Part, Settings, errors, table  # noqa: E402  (scripts/ is on sys.path)
+from bench_results import (  # noqa: E402  (scripts/ is on sys.path)
+    MEASUREMENTS, STARTUP_NEW_TOKENS, Part, Settings, errors, table)
 
 _CONFIG = flags.DEFINE_enum("config", "ds4", ["ds4", "tiny"], "ds4: DeepSeek-V4-Flash and its DSpark drafter with "
                             "the published recipe; tiny: the CPU test model (float32 tensors). Ignored with --gguf.")

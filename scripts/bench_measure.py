@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench_results import READ_MODEL, STARTUP_PROMPT_TOKENS, Part, Settings, count_files, git_commit  # scripts/ is on sys.path
+from bench_results import (  # scripts/ is on sys.path
+    READ_MODEL, STARTUP_PROMPT_TOKENS, Part, Settings, count_files, git_commit)
 from dsparkjax import footprint, kernels, runtime
 from dsparkjax.config import DrafterConfig, TargetConfig, deepseek_v4_flash, dspark_flash, tiny_drafter, tiny_target
 from dsparkjax.ggufio.reader import open_gguf
@@ -32,7 +33,7 @@ from dsparkjax.model.params import load_drafter_params, load_target_params
 from dsparkjax.model.sources import ShapeSource
 from dsparkjax.model.state import DecodeState, commit, init_state
 from dsparkjax.spec.decode import DecodeOutputs, decode_program
-from dsparkjax.spec.generate import DEFAULT_BLOCK, generate
+from dsparkjax.spec.generate import DEFAULT_BLOCK, _seed_padding, generate
 from dsparkjax.spec.oracle import OracleProposer
 from dsparkjax.spec.proposer import Drafter, load_drafter
 from dsparkjax.spec.width import WidthPolicy
@@ -92,12 +93,13 @@ def meta(s: Settings, model: Model, configured: runtime.Settings) -> dict[str, A
 
     return dict(
         commit=git_commit(), date_utc=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        command=" ".join(a for a in sys.argv if not a.startswith(("--role=", "--part_out="))), device=jax.devices()[0].device_kind, platform=jax.default_backend(),
-        jax=jax.__version__, jaxlib=jaxlib.__version__, python=platform.python_version(), config=s.config, layers=model.target.config.num_layers,
-        recipe=model.recipe, dtype=s.dtype, kernels=model.target.kernels,
+        command=" ".join(a for a in sys.argv if not a.startswith(("--role=", "--part_out="))),
+        device=jax.devices()[0].device_kind, platform=jax.default_backend(), jax=jax.__version__,
+        jaxlib=jaxlib.__version__, python=platform.python_version(), config=s.config,
+        layers=model.target.config.num_layers, recipe=model.recipe, dtype=s.dtype, kernels=model.target.kernels,
         weights=s.gguf or RANDOM, draft=(s.draft if s.gguf else RANDOM), batch=1, state_capacity=s.capacity,
-        reps=s.reps, steps=s.steps, copy_mib=s.copy_mib, mem_fraction=configured.mem_fraction, compilation_cache=configured.cache_dir,
-        compile_threads=s.compile_threads)
+        reps=s.reps, steps=s.steps, copy_mib=s.copy_mib, mem_fraction=configured.mem_fraction,
+        compilation_cache=configured.cache_dir, compile_threads=s.compile_threads)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -112,6 +114,7 @@ class Runner:
         self.program = decode_program(target.config, target.options())
         self.decay = WidthPolicy().ewma_decay  # generate's default policy: the programs it compiles
         self.temperature, self.key = jnp.float32(1e-6), jax.random.PRNGKey(0)
+        self._fixed: dict[int, tuple[jax.Array, jax.Array]] = {}  # batch -> (active, ewma), made once as generate does
 
     def state(self, batch: int, capacity: int) -> DecodeState:
         return init_state(self.target.config, batch, capacity, EXACT_WIDTH, self.target.dtype)
@@ -127,8 +130,11 @@ class Runner:
     def step(self, state: DecodeState, seeds: jax.Array, drafts: jax.Array, widths: jax.Array, width: int
              ) -> DecodeOutputs:
         batch = seeds.shape[0]
-        return self.program(self.target.params, state, seeds, drafts, widths, jnp.ones((batch,), bool),
-                            jnp.zeros((batch,), jnp.float32), self.temperature, self.key, width, self.decay, False)
+        if batch not in self._fixed:
+            self._fixed[batch] = jnp.ones((batch,), bool), jnp.zeros((batch,), jnp.float32)
+        active, ewma = self._fixed[batch]
+        return self.program(self.target.params, state, seeds, drafts, widths, active, ewma, self.temperature,
+                            self.key, width, self.decay, False)
 
 
 def fresh(runner: Runner, batch: int, capacity: int, position: int) -> DecodeState:
@@ -172,7 +178,7 @@ def decode_run(runner: Runner, state: DecodeState, seeds: jax.Array, width: int,
         if propose is not None:
             drafts, _ = propose(seeds, state.length)
         else:
-            drafts = jnp.broadcast_to(seeds[:, None], (batch, DEFAULT_BLOCK))
+            drafts = _seed_padding(seeds, DEFAULT_BLOCK)  # generate's padding drafts
         out = runner.step(state, seeds, drafts, widths, width)
         state, seeds, dispatched = out.state, out.outcome.bonus, dispatched + 1
         if pending is not None:

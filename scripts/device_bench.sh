@@ -2,7 +2,8 @@
 # Issue 38's numbers in one device call (docs/bench.md): scripts/bench.py on DeepSeek-V4-Flash with random
 # weights made on the GPU, then scripts/bench_load.py, the full-size sparse file loaded and run through the
 # public API. 43 layers need an H200 (86.7 GB of weights: run with needs_h200); an 80 GB H100 takes 32.
-#   bash scripts/device_bench.sh                          # 43 layers: both parts, about 9 minutes
+#   bash scripts/device_bench.sh                          # 43 layers: both parts (about 9 minutes, estimated
+#                                                         # before any GPU run: split with --sections if tight)
 #   bash scripts/device_bench.sh --layers 32              # an H100's slice
 #   bash scripts/device_bench.sh --sections load          # one part: bench or load
 #   bash scripts/device_bench.sh --config tiny            # the CPU dry run (tiny model, no GPU)
@@ -42,9 +43,10 @@ if want bench; then
   sed -n '/^device /,$p' "$OUT/bench.log"
 fi
 if want load; then
+  # On the checkout's disk, not /tmp, which may be a RAM-backed tmpfs: there the zero pages read would stay in memory.
+  SPARSE="$PWD/build/dsparkjax-sparse"; mkdir -p "$SPARSE"; df -hT "$SPARSE" | tail -1
   echo "== bench_load.py ${MODEL[*]}: the sparse file, loaded and run"
-  python3 scripts/bench_load.py "${MODEL[@]}" --dir /tmp/dsparkjax-sparse --json_out "$OUT/${NAME}_load.json" \
-    > "$OUT/load.log" 2>&1
+  python3 scripts/bench_load.py "${MODEL[@]}" --dir "$SPARSE" --json_out "$OUT/${NAME}_load.json" > "$OUT/load.log" 2>&1
   echo "exit $?"; grep -vE "^[IW][0-9]{4}|it/s\]|B/s\]" "$OUT/load.log" | tail -8
-  rm -rf /tmp/dsparkjax-sparse
+  rm -rf "$SPARSE"
 fi

@@ -8,7 +8,9 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
 date -u
-if command -v nvidia-smi >/dev/null; then nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; fi
+if command -v nvidia-smi >/dev/null; then
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+fi
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
 if [[ -f dsparkjax/_lib/libdspark_cuda_ffi.so && -f dsparkjax/_lib/libdspark_cpu_ffi.so ]]; then
   echo "== using the carried plugins in dsparkjax/_lib"

@@ -26,7 +26,7 @@ from dsparkjax.model.sources import ShapeSource, packs
 from dsparkjax.spec.generate import generate
 from dsparkjax.spec.proposer import load_drafter
 from dsparkjax.target_api import load_target
-from dsparkjax.tiny import random_sources, write_sparse_pair
+from dsparkjax.tiny import random_sources, write_sparse_pair, write_tiny_pair
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
@@ -193,3 +193,41 @@ def test_configure_after_jax_started_says_the_share_is_fixed(caplog, monkeypatch
     assert settings.backend_was_running and settings.cache_dir is None
     assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ
     assert "already started" in caplog.text
+
+
+@pytest.mark.slow  # two processes compiling the packed model: about 45 s (the cache round trip of plain programs
+# runs in CI with tests/test_scripts.py's bench smoke test)
+def test_programs_with_ffi_calls_persist_across_processes(tmp_path):
+    """A second process loads from the persistent cache the programs a first one compiled with the FFI kernels
+    (packed matmuls and mHC custom calls), writes none, and decodes the same tokens."""
+    from dsparkjax.kernels import ffi
+
+    if not ffi.available("cpu"):
+        pytest.skip("the CPU plugin is not built")
+    cfg = tiny_target(hidden_size=256, moe_intermediate_size=256, layers=2)
+    target_path, _ = write_tiny_pair(str(tmp_path / "pair"), recipe="published", target_cfg=cfg,
+                                     drafter_cfg=tiny_drafter(cfg), tokenizer=None, random_blocks=True)
+    script = """
+import json, os, sys
+from dsparkjax import runtime
+cache = runtime.configure().cache_dir
+from dsparkjax.spec.generate import generate
+from dsparkjax.target_api import load_target
+
+def files():
+    return sum(len(names) for _, _, names in os.walk(cache))
+
+before = files()
+target = load_target(sys.argv[1], kernels="ffi")
+(result,) = generate(target, [[1, 2, 3]], max_new_tokens=6, stop_tokens=())
+print(json.dumps(dict(written=files() - before, tokens=result.token_ids)))
+"""
+    env = {**ENV, "DSPARKJAX_CACHE": str(tmp_path / "cache")}
+    runs = []
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, "-c", script, target_path], capture_output=True, text=True,
+                              timeout=300, check=False, env=env)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    assert runs[0]["written"] >= 2 and runs[1]["written"] == 0
+    assert runs[0]["tokens"] == runs[1]["tokens"]
