@@ -427,20 +427,21 @@ def dspark_flash(target_layers: int = 43) -> DrafterConfig:
 
 
 def tiny_target(*, vocab_size: int = 512, hidden_size: int = 64, moe_intermediate_size: int = 32,
-                swiglu_limit: float = 10.0) -> TargetConfig:
+                swiglu_limit: float = 10.0, layers: int = 4) -> TargetConfig:
     """The CPU test config of `ds4_arch.md` §7: every layer kind, hash and top-k MoE, reachable boundaries.
 
-    Layers: 0 SWA, 1 CSA, 2 HCA (ratio 8), 3 CSA; hash routing on layers 0 and 1; window 8 so the ring
-    wraps every 8 tokens; indexer top-2 so selection starts at t >= 11; 16 indexer heads so indexer
-    scores rarely tie (§6.3 item 15).
+    Layers: 0 SWA, 1 CSA, 2 HCA (ratio 8), 3 CSA; hash routing on layers 0 and 1 (fewer `layers` keep the first
+    ones); window 8 so the ring wraps every 8 tokens; indexer top-2 so selection starts at t >= 11; 16 indexer
+    heads so indexer scores rarely tie (§6.3 item 15).
     """
-    layers = 4
+    if not 1 <= layers <= 4:
+        raise DsparkError(f"the tiny target has 4 layers; got layers={layers}")
     return TargetConfig(
         vocab_size=vocab_size, hidden_size=hidden_size, num_layers=layers, num_heads=4, head_dim=128,
         rope_dim=64, q_lora_rank=32, o_groups=2, o_lora_rank=16, sliding_window=8,
-        compress_ratios=(0, 4, 8, 4), index_heads=16, index_head_dim=128, index_topk=2,
+        compress_ratios=(0, 4, 8, 4)[:layers], index_heads=16, index_head_dim=128, index_topk=2,
         n_routed_experts=8, n_active_experts=2, moe_intermediate_size=moe_intermediate_size,
-        routed_scaling_factor=1.5, num_hash_layers=2, swiglu_limit=(swiglu_limit,) * layers,
+        routed_scaling_factor=1.5, num_hash_layers=min(2, layers), swiglu_limit=(swiglu_limit,) * layers,
         swiglu_limit_shared=(swiglu_limit,) * layers, context_length=4096,
     )
 

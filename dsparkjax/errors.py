@@ -33,3 +33,7 @@ class TokenIdError(DsparkError):
 
 class UnsupportedTypeError(DsparkError):
     """A ggml type that this operation does not support."""
+
+
+class DeviceMemoryError(DsparkError):
+    """Weights or a decode state that cannot fit the device memory JAX may use."""

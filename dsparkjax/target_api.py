@@ -21,6 +21,7 @@ from dsparkjax import formats
 from dsparkjax.ggufio.contract import open_target
 from dsparkjax.ggufio.reader import GGUFFile
 from dsparkjax.model.params import TargetParams, load_target_params
+from dsparkjax.model.sources import load_streamed
 from dsparkjax.model.state import commit, init_state
 from dsparkjax.model.target import StepOptions, TargetModel
 
@@ -57,6 +58,10 @@ def load_target(path: str, *, dtype: str = "float32", simulate_qat: bool = True,
                 kernels: str = "auto") -> Target:
     """Open a `deepseek4` GGUF, check its contract, and load its weights in `dtype` ("float32" or "bfloat16").
 
+    The weights go from the file's memory map to the device tensor by tensor, with no host copy
+    (`model/sources.py`; `progress`: a bar of bytes), once their size is checked against the device's free
+    memory (DeviceMemoryError otherwise, saying how to make room).
+
     kernels: "dequantize" turns every weight into a dense array at load; "ffi" keeps quantized weights packed
     and multiplies them with the XLA FFI kernels (and runs the HC mixes there too); "reference" keeps them
     packed for the kernels' pure-jnp reference; "auto" is "ffi" when the plugin is loaded, else "reference",
@@ -68,12 +73,9 @@ def load_target(path: str, *, dtype: str = "float32", simulate_qat: bool = True,
         raise DsparkError(f"kernels must be one of {KERNEL_CHOICES}, got {kernels!r}")
     file, cfg = open_target(path)
     kernels = _kernel_choice(kernels, file)
-    wrap = iter
-    if progress:
-        from tqdm import tqdm
-
-        wrap = functools.partial(tqdm, desc=f"loading {path}", unit="layer")
-    params = load_target_params(file, cfg, DTYPES[dtype], wrap, None if kernels == "dequantize" else kernels)
+    pack = None if kernels == "dequantize" else kernels
+    params = load_streamed(file, lambda source: load_target_params(source, cfg, DTYPES[dtype], pack),
+                           progress=progress)
     tokenizer = None
     if "tokenizer.ggml.model" in file.metadata:
         from dsparkjax.tokenizer import Tokenizer

@@ -28,6 +28,7 @@ import jax
 import numpy as np
 from absl import app, flags, logging
 
+from dsparkjax import footprint
 from dsparkjax.config import DrafterConfig, TargetConfig, deepseek_v4_flash, dspark_flash, tiny_drafter, tiny_target
 from dsparkjax.ggufio.writer import RECIPES
 from dsparkjax.spec.generate import Result, generate
@@ -67,18 +68,9 @@ def wide_target() -> TargetConfig:
         swiglu_limit=(10.0,) * layers, swiglu_limit_shared=(10.0,) * layers, context_length=8192)
 
 
-def nbytes(tree) -> int:
-    """Bytes of a weight or pytree of weights as held on the device (packed bytes for packed weights)."""
-    return sum(x.nbytes for x in jax.tree.leaves(tree))
-
-
 def step_weight_bytes(target: Target) -> int:
-    """Weight bytes one plain decode step reads: everything but the unselected routed experts."""
-    cfg = target.config
-    total = nbytes(target.params)
-    experts = sum(nbytes((b.moe.gate_up, b.moe.down)) for b in target.params.blocks)
-    embed = nbytes(target.params.embed)
-    return total - embed - experts + experts * cfg.n_active_experts // cfg.n_routed_experts
+    """Weight bytes one plain decode step reads (`footprint.step_weight_bytes`)."""
+    return footprint.step_weight_bytes(target.params, target.config)
 
 
 def same_tokens(a: list[Result], b: list[Result]) -> bool:

@@ -4,7 +4,8 @@
 #   benchmark (Q8_0 and IQ2_XXS), then exact-vs-plain generation in bf16 on 64 prompts with the fast mode's
 #   mismatch rate and tok/s of plain vs speculative decoding in the same run.
 # Expects the gguf wheel in .whl/ (carried); results go to $OUT as they are produced. Plugins carried in
-# dsparkjax/_lib (built here with `DSPARKJAX_CUDA=ON`, sm_90) skip the 2-minute build on the device. The whole suite takes
+# dsparkjax/_lib (built here with `DSPARKJAX_CUDA=ON`, sm_90) skip the 2-minute build on the device
+# (scripts/device_setup.sh). The whole suite takes
 # about 9-10 minutes (a device call's limit is 10): pass section names to run fewer, e.g.
 #   bash scripts/device_suite.sh kernels generate        (the build runs unless plugins are carried)
 # Not run by default: `ds4` (DeepSeek-V4-Flash's own dims with 8 of its layers: the step at widths 1-6 at batch 1
@@ -19,19 +20,7 @@ SECTIONS="${*:-tests kernels generate}"
 want() { [[ " $SECTIONS " == *" $1 "* ]]; }
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/dsparkjax-out}"; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
-date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
-inc=$(python3 -c 'import jax.ffi; print(jax.ffi.include_dir())')
-if [[ -f dsparkjax/_lib/libdspark_cuda_ffi.so && -f dsparkjax/_lib/libdspark_cpu_ffi.so ]]; then
-  echo "== using the carried plugins in dsparkjax/_lib"
-else
-echo "== build (CMake, sm_90)"
-{ cmake -S . -B /tmp/b -DDSPARKJAX_CUDA=ON -DCMAKE_BUILD_TYPE=Release -DXLA_FFI_INCLUDE_DIR="$inc" >/dev/null \
-  && cmake --build /tmp/b -j16 >/dev/null && mkdir -p dsparkjax/_lib && cp /tmp/b/libdspark_*.so dsparkjax/_lib/; } \
-  > "$OUT/build.log" 2>&1 || { tail -20 "$OUT/build.log"; exit 1; }
-fi
+source scripts/device_setup.sh
 if want tests; then
 echo "== GPU kernels and packed model"
 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_packed_model.py -k "gpu or packed" \

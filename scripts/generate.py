@@ -17,7 +17,7 @@ import time
 
 from absl import app, flags, logging
 
-from dsparkjax import chat
+from dsparkjax import chat, runtime
 from dsparkjax.errors import DsparkError
 from dsparkjax.spec.generate import generate
 from dsparkjax.spec.proposer import load_drafter
@@ -69,12 +69,13 @@ def _prompts(tokenizer) -> list[tuple[str, list[int]]]:
 def main(argv: list[str]) -> None:
     del argv
     logging.set_verbosity(logging.WARNING)  # keep library INFO logs (gguf writer, jax backends) off the output
+    runtime.configure()  # before JAX starts: device memory for a full-size model, the compilation cache
     target_path, draft_path = _TARGET.value, _DRAFT.value
     if target_path is None:
         target_path, embedded_draft = default_pair()
         draft_path = draft_path or embedded_draft
     target = load_target(target_path, dtype=_DTYPE.value, simulate_qat=_QAT.value, progress=True)
-    drafter = load_drafter(draft_path, target) if draft_path else None
+    drafter = load_drafter(draft_path, target, progress=True) if draft_path else None
     if _MODE.value == "spec" and drafter is None:
         raise DsparkError("--mode spec needs --draft")
     prompts = _prompts(target.tokenizer)

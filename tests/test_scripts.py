@@ -1,4 +1,4 @@
-"""The measurement scripts (`scripts/bench_kernels.py`, `scripts/profile_kernel.py`,
+"""The measurement scripts (`scripts/bench.py`, `scripts/bench_kernels.py`, `scripts/profile_kernel.py`,
 `scripts/bench_generate.py`, `scripts/profile_generate.py`,
 `scripts/bench_step.py`, `scripts/bench_hc.py`) on CPU.
 
@@ -9,6 +9,7 @@ end to end at tiny sizes, and the duration table is computed from a hand-made Ns
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -198,6 +199,74 @@ def test_bench_generate_runs_the_chosen_kernels(tmp_path):
     assert summary["kernels"] == "reference"
     assert summary["exact_spec_equals_plain"] and summary["dspark_exact_equals_plain"]
     assert all(len(seconds) == 2 for seconds in summary["decode_seconds"].values()), summary["decode_seconds"]
+
+
+def _matches(pattern: str, path: tuple[str, ...]) -> bool:
+    """Whether a field's keys are the documented `pattern` (`a.*.c`), whose `*` stands for any one key (keys such
+    as acceptance rates hold dots themselves)."""
+    parts = pattern.split(".")
+    return len(path) == len(parts) and all(p in ("*", k) for p, k in zip(parts, path))
+
+
+def _leaf_paths(node, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    if not isinstance(node, dict) or prefix == ("fields",):
+        return [prefix]
+    return [p for key, value in node.items() for p in _leaf_paths(value, (*prefix, key))]
+
+
+def test_bench_tiny_writes_every_documented_field(tmp_path):
+    """The CPU smoke run of the headline benchmark: every measurement succeeds, every field of the JSON is
+    documented (in the JSON and in docs/bench.md) and every documented field is there; exact speculative
+    decoding reproduces plain decoding at every acceptance rate, and the warm start wrote no compiled program."""
+    sys.path.insert(0, str(SCRIPTS))
+    from bench_results import FIELDS, errors
+
+    out = tmp_path / "bench.json"
+    env = {**os.environ, "DSPARKJAX_CACHE": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1",
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}  # every program cached: the warm start compiles none
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "bench.py"), "--config=tiny", "--layers=2",
+                           f"--json_out={out}"], capture_output=True, text=True, timeout=900, check=False, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert not errors(results), errors(results)
+    leaves = _leaf_paths(results)
+    assert [p for p in leaves if not any(_matches(f, p) for f in FIELDS)] == []
+    assert [f for f in FIELDS if f != "errors" and not any(_matches(f, p) for p in leaves)] == []
+    assert results["fields"] == FIELDS
+    docs = (SCRIPTS.parent / "docs" / "bench.md").read_text()
+    assert [f for f in FIELDS if f"`{f}`" not in docs] == []
+    assert results["meta"]["config"] == "tiny" and results["meta"]["layers"] == 2
+    assert list(results["steps"]) == ["1", "2", "3", "4", "5", "6"]
+    spec = results["speculative"]
+    assert all(spec[p]["equals_plain_exact"] for p in ("0.6", "0.8", "0.9"))
+    assert spec["0.6"]["tokens_per_step"] <= spec["0.9"]["tokens_per_step"]
+    assert results["startup"]["warm"]["cache_entries_written"] == 0
+    assert "warm start to first token" in proc.stdout
+
+
+def test_bench_load_tiny_loads_the_sparse_pair_and_generates(tmp_path):
+    """bench_load.py writes a sparse pair (no disk), loads it with the public API and generates zeros; its JSON
+    has exactly its documented fields, all in docs/bench.md."""
+    sys.path.insert(0, str(SCRIPTS))
+    from bench_results import errors
+
+    out = tmp_path / "load.json"
+    env = {**os.environ, "DSPARKJAX_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "bench_load.py"), "--config=tiny", "--layers=2",
+                           f"--dir={tmp_path / 'sparse'}", f"--json_out={out}"], capture_output=True, text=True,
+                          timeout=600, check=False, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert not errors(results), errors(results)
+    fields = results["fields"]
+    leaves = _leaf_paths(results)
+    assert [p for p in leaves if not any(_matches(f, p) for f in fields)] == []
+    assert [f for f in fields if not any(_matches(f, p) for p in leaves)] == []
+    docs = (SCRIPTS.parent / "docs" / "bench.md").read_text()
+    assert [f for f in fields if f"`{f}`" not in docs] == []
+    assert results["files"]["target_disk_bytes"] < results["files"]["target_bytes"]
+    assert results["generate"]["token_ids"] == [0] * 8
+    assert results["load"]["host_peak_rss_bytes"] >= results["load"]["host_rss_before_bytes"] > 0
 
 
 if __name__ == "__main__":

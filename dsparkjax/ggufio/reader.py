@@ -9,6 +9,7 @@ open, naming the tensor) and leaves the bytes on disk until asked (`quant_hc.md`
 from __future__ import annotations
 
 import dataclasses
+import mmap
 import os
 from typing import Any
 
@@ -81,7 +82,11 @@ class GGUFFile:
         except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError, TypeError) as err:
             raise GGUFContractError(self.path, "GGUF header", "a valid GGUF v2/v3 header and metadata",
                                     f"{type(err).__name__}: {err} (truncated or corrupt)") from None
-        self._map = reader.data
+        # Tensors are read through a map of our own, whose pages `release` can give back (gguf-py's memmap, which
+        # parsed the header, is dropped with the reader).
+        with open(self.path, "rb") as f:
+            self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self._map = np.frombuffer(self._mmap, np.uint8)
         self.metadata: dict[str, Any] = {
             key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")
         }
@@ -97,6 +102,19 @@ class GGUFFile:
         rows = int(np.prod(info.shape[:-1], dtype=np.int64))
         flat = self._map[info.offset : info.offset + info.nbytes]
         return np.asarray(flat).reshape(rows, info.nbytes // max(rows, 1))
+
+    def release(self, name: str) -> None:
+        """Give back the map's pages that hold only this tensor's bytes (`madvise(MADV_DONTNEED)`): after a
+        tensor was copied elsewhere, its pages need not count in this process's memory. The bytes stay
+        readable: a later access reads them from the file again."""
+        if not hasattr(mmap, "MADV_DONTNEED"):  # not on every OS
+            return
+        info = self.tensors[name]
+        page = mmap.PAGESIZE
+        start = -(-info.offset // page) * page
+        end = (info.offset + info.nbytes) // page * page
+        if end > start:
+            self._mmap.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def array(self, name: str) -> np.ndarray:
         """The tensor decoded: float32 in its numpy shape (int32 for I32 tensors such as `tid2eid`)."""

@@ -81,12 +81,9 @@ def encode(name: str, values: np.ndarray, ggml_type: int) -> RawTensor:
     return RawTensor(name, ggml_type, values.shape, data)
 
 
-def write_raw_gguf(path: str | os.PathLike[str], arch: str, metadata: Iterable[tuple[str, Any, GGUFValueType]],
-                   tensors: Sequence[RawTensor], *, extra: Any = None) -> None:
-    """Write a GGUF file from metadata triples and encoded tensors, as they are (no contract checks).
-
-    `extra`, if given, is called with the open GGUFWriter to add more metadata (the tokenizer).
-    """
+def _start(path: str | os.PathLike[str], arch: str, metadata: Iterable[tuple[str, Any, GGUFValueType]],
+           extra: Any = None) -> GGUFWriter:
+    """A GGUFWriter for `path` holding the metadata triples (and what `extra(writer)` adds)."""
     writer = GGUFWriter(os.fspath(path), arch)
     for key, value, gtype in metadata:
         if key == "general.architecture":
@@ -97,6 +94,16 @@ def write_raw_gguf(path: str | os.PathLike[str], arch: str, metadata: Iterable[t
             writer.add_key_value(key, value, gtype)
     if extra is not None:
         extra(writer)
+    return writer
+
+
+def write_raw_gguf(path: str | os.PathLike[str], arch: str, metadata: Iterable[tuple[str, Any, GGUFValueType]],
+                   tensors: Sequence[RawTensor], *, extra: Any = None) -> None:
+    """Write a GGUF file from metadata triples and encoded tensors, as they are (no contract checks).
+
+    `extra`, if given, is called with the open GGUFWriter to add more metadata (the tokenizer).
+    """
+    writer = _start(path, arch, metadata, extra)
     for t in tensors:
         if t.ggml_type in (T.F32, T.I32):
             writer.add_tensor(t.name, t.data.view(np.float32 if t.ggml_type == T.F32 else np.int32)
@@ -147,9 +154,42 @@ def write_model_gguf(path: str | os.PathLike[str], cfg: TargetConfig | DrafterCo
             tensors.append(value)
         else:
             tensors.append(encode(spec.name, np.asarray(value), ggml_type))
+    write_raw_gguf(path, DRAFTER_ARCH if drafter else TARGET_ARCH, _model_metadata(cfg, recipe, name), tensors,
+                   extra=tokenizer.write_to if tokenizer is not None else None)
+
+
+def _model_metadata(cfg: TargetConfig | DrafterConfig, recipe: str, name: str | None
+                    ) -> list[tuple[str, Any, GGUFValueType]]:
+    drafter = isinstance(cfg, DrafterConfig)
     meta = list(metadata_items(cfg))
     meta.append(("general.name", name or ("dsparkjax drafter" if drafter else "dsparkjax target"),
                  GGUFValueType.STRING))
     meta.append((QUANT_RECIPE_KEY, recipe, GGUFValueType.STRING))
-    write_raw_gguf(path, DRAFTER_ARCH if drafter else TARGET_ARCH, meta, tensors,
-                   extra=tokenizer.write_to if tokenizer is not None else None)
+    return meta
+
+
+def write_sparse_gguf(path: str | os.PathLike[str], cfg: TargetConfig | DrafterConfig, specs: Iterable[TensorSpec],
+                      *, recipe: str = "published", name: str | None = None) -> int:
+    """Write a GGUF for `cfg` holding the tensors `specs` (typed by `recipe`) with all-zero data, as a sparse
+    file; returns its size.
+
+    The header, metadata and tensor table are written; the data region is left a hole (the file is extended
+    with `truncate`), so a file of any size takes a moment and no disk. Zero bytes are valid data in every
+    type (zero scales, expert id 0): the file loads and runs like a real one of the same layout, the load
+    path's benchmark at full size.
+    """
+    drafter = isinstance(cfg, DrafterConfig)
+    writer = _start(path, DRAFTER_ARCH if drafter else TARGET_ARCH, _model_metadata(cfg, recipe, name))
+    for spec in specs:
+        ggml_type = recipe_type(recipe, spec, drafter=drafter)
+        nbytes = formats.row_bytes(ggml_type, spec.shape[-1]) * int(np.prod(spec.shape[:-1], dtype=np.int64))
+        writer.add_tensor_info(spec.name, spec.shape, np.dtype(np.float32), nbytes, raw_dtype=ggml_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    (fout,) = writer.fout
+    data_start = GGUFWriter.ggml_pad(fout.tell(), writer.data_alignment)
+    size = data_start + sum(GGUFWriter.ggml_pad(ti.nbytes, writer.data_alignment) for ti in writer.tensors[0].values())
+    fout.truncate(size)
+    writer.close()
+    return size

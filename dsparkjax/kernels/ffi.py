@@ -82,6 +82,7 @@ class PluginInfo:
 
     ffi_api: tuple[int, int]  # (major, minor) of the XLA FFI headers
     hc_mix_chunk: int  # HC-pre's GPU mix sums each token's n·D stream values in chunks of this many (kHcMixChunk)
+    path: str  # the library loaded
 
 
 def _load(kind: str) -> PluginInfo:
@@ -116,7 +117,7 @@ def _load(kind: str) -> PluginInfo:
     handlers = {target: symbol(stem + spec.suffix) for target, stem in spec.ops.items()}  # all, before registering
     for target, fn in handlers.items():
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(fn), platform=spec.platform)
-    return PluginInfo(built, mix_chunk())
+    return PluginInfo(built, mix_chunk(), str(path))
 
 
 _STATUS: dict[str, PluginError | None] = {}  # plugin kind -> None when loaded, else why not

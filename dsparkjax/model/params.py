@@ -1,4 +1,5 @@
-"""Parameter pytrees of the target and the drafter, and their loading from GGUF files.
+"""Parameter pytrees of the target and the drafter, and their loading from a tensor source (`sources.py`: a
+GGUF file streamed to the device, random tensors generated there, or shapes alone for sizing).
 
 Weights are immutable pytrees (`flax.struct.dataclass`); a field is None where the layer kind has no such
 tensor (no compressor on sliding-window layers, no router bias on hash layers, ...). Matrices are held in
@@ -8,21 +9,19 @@ computes them (`ds4_arch.md` §6.1).
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 
 from dsparkjax.config import DrafterConfig, TargetConfig
 from dsparkjax.errors import GGUFContractError
-from dsparkjax.ggufio.contract import check_tensor_bytes
-from dsparkjax.formats import FLOAT_TYPES
 from dsparkjax.ggufio.reader import GGUFFile
-from dsparkjax.kernels.packed import KERNEL_TYPES
+from dsparkjax.kernels.packed import dequantize
+from dsparkjax.model.sources import FileSource, TensorSource, packs
 from dsparkjax.model.weights import PackedWeight, RowBlocks, Weight
-
 
 
 @struct.dataclass
@@ -104,66 +103,106 @@ class DrafterParams:
 
 
 class _TensorReader:
-    """Loads tensors of one file, checking each one's bytes first.
+    """Builds parameters from a source's stored tensors (`sources.py`), on the device.
 
     A matrix (a weight multiplied by `linear`/`expert_linear`) stays packed as a PackedWeight when `pack`
-    names a kernel backend and the tensor is quantized, else it is dequantized to the compute dtype.
+    names a kernel backend and the tensor is packed as stored, else it is decoded to the compute dtype on the
+    device. On a ShapeSource every step runs under `jax.eval_shape`: the result holds shapes, not arrays.
     """
 
-    def __init__(self, file: GGUFFile, dtype: jnp.dtype, pack: str | None):
-        self.file, self.dtype, self.pack = file, jnp.dtype(dtype), pack
+    def __init__(self, source: TensorSource, dtype: jnp.dtype, pack: str | None):
+        self.source, self.dtype, self.pack = source, jnp.dtype(dtype), pack
 
     def get(self, name: str, kind: str = "f32") -> jax.Array | PackedWeight | None:
         """kind "matrix": see the class; "table": a lookup table (embeddings) in the compute dtype; "f32":
-        float32; "opt": float32 or None when absent."""
-        if kind == "opt" and name not in self.file.tensors:
+        float32 (int32 tables stay int32); "opt": float32 or None when absent."""
+        if kind == "opt" and name not in self.source.tensors:
             return None
         if kind == "matrix":
-            return self._upload(*self._host_matrix(name))
-        self._checked_raw(name)
-        values = self.file.array(name)
-        if values.dtype == np.int32:
-            return jnp.asarray(values)
-        return jnp.asarray(values, self.dtype if kind == "table" else jnp.float32)
+            return self._weight(*self._matrix(name))
+        stored = self._fetch(name)
+        if stored.dtype == jnp.int32:
+            return stored
+        return self._dense(name, stored, self.dtype if kind == "table" else jnp.dtype(jnp.float32))
+
+    def expert_ids(self, name: str, n_experts: int) -> jax.Array:
+        """A hash-routing table, int32 `[V, k]`, checked to hold expert ids in [0, n_experts)."""
+        table = self.get(name)
+        if isinstance(table, jax.ShapeDtypeStruct):  # sizing: no values to check
+            return table
+        lo, hi = int(jnp.min(table)), int(jnp.max(table))
+        if lo < 0 or hi >= n_experts:
+            raise GGUFContractError(self.source.path, f"tensor {name}", f"expert ids in [0, {n_experts})",
+                                    f"ids in [{lo}, {hi}]")
+        return table
 
     def rows(self, names: tuple[str, ...], *, stack: bool = True) -> RowBlocks:
         """Matrices that multiply one input, as a RowBlocks: with `stack`, consecutive ones of one format (the
         same ggml type or both dense, the same in-features and expert count) are stacked into one weight on
-        the host before it goes to the device; without, each is a part of its own."""
-        groups: list[tuple[tuple, list[np.ndarray]]] = []
+        the device; without, each is a part of its own."""
+        groups: list[tuple[tuple, list[jax.Array]]] = []
         for name in names:
-            key, host = self._host_matrix(name)
+            key, array = self._matrix(name)
             if stack and groups and groups[-1][0] == key:
-                groups[-1][1].append(host)
+                groups[-1][1].append(array)
             else:
-                groups.append((key, [host]))
-        parts = tuple(self._upload(key, np.concatenate(hosts, axis=-2) if len(hosts) > 1 else hosts[0])
-                      for key, hosts in groups)
-        return RowBlocks(parts, tuple(tuple(h.shape[-2] for h in hosts) for _, hosts in groups))
+                groups.append((key, [array]))
+        parts = tuple(self._weight(key, self._apply(_stack_rows, *arrays) if len(arrays) > 1 else arrays[0])
+                      for key, arrays in groups)
+        return RowBlocks(parts, tuple(tuple(a.shape[-2] for a in arrays) for _, arrays in groups))
 
-    def _checked_raw(self, name: str) -> np.ndarray:
-        """The stored bytes of a tensor that must be present, checked (`check_tensor_bytes`)."""
-        if name not in self.file.tensors:
-            raise GGUFContractError(self.file.path, f"tensor {name}", "present", "missing")
-        info, raw = self.file.tensors[name], self.file.raw(name)
-        check_tensor_bytes(self.file.path, info, raw)
-        return raw
+    def reshaped(self, array, shape: tuple[int, ...]):
+        """`array` (from `get`, or None) reshaped to `shape`."""
+        return None if array is None else self._apply(jnp.reshape, array, shape=shape)
 
-    def _host_matrix(self, name: str) -> tuple[tuple, np.ndarray]:
-        """(format key, host array) of a matrix: its packed bytes `[..., out, row_bytes]` under the key
-        (ggml type, in-features, leading dims), or its dequantized values `[..., out, in]` under (None, ...)."""
-        raw = self._checked_raw(name)
-        info = self.file.tensors[name]
+    def _fetch(self, name: str):
+        if name not in self.source.tensors:
+            raise GGUFContractError(self.source.path, f"tensor {name}", "present", "missing")
+        return self.source.fetch(name)
+
+    def _matrix(self, name: str) -> tuple[tuple, jax.Array]:
+        """(format key, array) of a matrix: its packed bytes `[..., out, row_bytes]` under the key (ggml type,
+        in-features, leading dims), or its values in the compute dtype `[..., out, in]` under (None, ...)."""
+        stored = self._fetch(name)
+        info = self.source.tensors[name]
         lead = tuple(info.shape[:-2])
-        if self.pack is not None and info.ggml_type in KERNEL_TYPES and info.ggml_type not in FLOAT_TYPES:
-            return (int(info.ggml_type), info.shape[-1], lead), raw.reshape(*info.shape[:-1], raw.shape[-1])
-        return (None, info.shape[-1], lead), self.file.array(name)
+        if self.pack is not None and packs(info.ggml_type):
+            return (int(info.ggml_type), info.shape[-1], lead), stored
+        return (None, info.shape[-1], lead), self._dense(name, stored, self.dtype)
 
-    def _upload(self, key: tuple, host: np.ndarray) -> Weight:
+    def _dense(self, name: str, stored, dtype: jnp.dtype):
+        """A stored tensor's values in `dtype`, decoded on the device when packed."""
+        info = self.source.tensors[name]
+        if stored.dtype == jnp.uint8:
+            return self._apply(_decoded, stored, ggml_type=int(info.ggml_type), shape=info.shape, dtype=dtype)
+        return self._apply(_cast, stored, dtype=dtype)
+
+    def _weight(self, key: tuple, array) -> Weight:
         ggml_type, in_features, _ = key
         if ggml_type is None:
-            return jnp.asarray(host, self.dtype)
-        return PackedWeight(jnp.asarray(host), ggml_type, in_features, self.dtype, self.pack)
+            return array
+        return PackedWeight(array, ggml_type, in_features, self.dtype, self.pack)
+
+    @staticmethod
+    def _apply(fn: Callable, *arrays, **static):
+        """fn(*arrays, **static), or its shapes when the arrays are ShapeDtypeStructs (a sizing run)."""
+        if isinstance(arrays[0], jax.ShapeDtypeStruct):
+            return jax.eval_shape(functools.partial(fn, **static), *arrays)
+        return fn(*arrays, **static)
+
+
+@functools.partial(jax.jit, static_argnames=("ggml_type", "shape", "dtype"))
+def _decoded(packed: jax.Array, ggml_type: int, shape: tuple[int, ...], dtype: jnp.dtype) -> jax.Array:
+    """Packed rows uint8 `[..., row_bytes]` -> their values in `dtype`, numpy `shape`."""
+    return dequantize(packed, ggml_type, shape[-1]).reshape(shape).astype(dtype)
+
+
+def _cast(values: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    return values.astype(dtype)
+
+
+def _stack_rows(*arrays: jax.Array) -> jax.Array:
+    return jnp.concatenate(arrays, axis=-2)
 
 
 def _hc(t: _TensorReader, prefix: str) -> HyperConnection:
@@ -188,10 +227,7 @@ def _compressor(t: _TensorReader, p: str) -> Compressor:
 
 
 def _moe(t: _TensorReader, p: str, hashed: bool, n_experts: int) -> MoE:
-    tid2eid = t.get(p + "ffn_gate_tid2eid.weight") if hashed else None
-    if tid2eid is not None and (int(jnp.min(tid2eid)) < 0 or int(jnp.max(tid2eid)) >= n_experts):
-        raise GGUFContractError(t.file.path, f"tensor {p}ffn_gate_tid2eid.weight", f"expert ids in [0, {n_experts})",
-                                f"ids in [{int(jnp.min(tid2eid))}, {int(jnp.max(tid2eid))}]")
+    tid2eid = t.expert_ids(p + "ffn_gate_tid2eid.weight", n_experts) if hashed else None
     return MoE(t.get(p + "ffn_norm.weight"), t.get(p + "ffn_gate_inp.weight"), t.get(p + "exp_probs_b.bias", "opt"),
                tid2eid, t.rows((p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight")),
                t.get(p + "ffn_down_exps.weight", "matrix"),
@@ -199,16 +235,21 @@ def _moe(t: _TensorReader, p: str, hashed: bool, n_experts: int) -> MoE:
                t.get(p + "ffn_down_shexp.weight", "matrix"))
 
 
-def load_target_params(file: GGUFFile, cfg: TargetConfig, dtype: jnp.dtype, progress: Callable = iter,
+def _as_source(source: TensorSource | GGUFFile) -> TensorSource:
+    return FileSource(source) if isinstance(source, GGUFFile) else source
+
+
+def load_target_params(source: TensorSource | GGUFFile, cfg: TargetConfig, dtype: jnp.dtype,
                        pack: str | None = None) -> TargetParams:
-    """Read every target tensor (checking its bytes) into a TargetParams pytree.
+    """Read every target tensor of a source (a GGUFFile: its FileSource, checking each tensor's bytes) into a
+    TargetParams pytree on the device.
 
     pack: None dequantizes every weight at load; "ffi" or "reference" keeps quantized matrices packed, for
     the kernels of that backend.
     """
-    t = _TensorReader(file, dtype, pack)
+    t = _TensorReader(_as_source(source), dtype, pack)
     blocks = []
-    for i in progress(range(cfg.num_layers)):
+    for i in range(cfg.num_layers):
         p = f"blk.{i}."
         kind = cfg.layer_type(i)
         compressor = _compressor(t, p + "attn_compressor") if kind != "swa" else None
@@ -222,10 +263,10 @@ def load_target_params(file: GGUFFile, cfg: TargetConfig, dtype: jnp.dtype, prog
                         t.get("output_norm.weight"), t.get("output.weight", "matrix"))
 
 
-def load_drafter_params(file: GGUFFile, cfg: DrafterConfig, dtype: jnp.dtype, pack: str | None = None
-                        ) -> DrafterParams:
-    """Read every drafter tensor (checking its bytes) into a DrafterParams pytree (`pack` as for the target)."""
-    t = _TensorReader(file, dtype, pack)
+def load_drafter_params(source: TensorSource | GGUFFile, cfg: DrafterConfig, dtype: jnp.dtype,
+                        pack: str | None = None) -> DrafterParams:
+    """Read every drafter tensor of a source into a DrafterParams pytree (as `load_target_params`)."""
+    t = _TensorReader(_as_source(source), dtype, pack)
     stages = tuple(
         Block(_hc(t, f"blk.{s}.hc_attn"), _attention(t, f"blk.{s}.", stack_q_kv=False), None, None,
               _hc(t, f"blk.{s}.hc_ffn"), _moe(t, f"blk.{s}.", False, cfg.n_routed_experts))
@@ -235,5 +276,4 @@ def load_drafter_params(file: GGUFFile, cfg: DrafterConfig, dtype: jnp.dtype, pa
     return DrafterParams(stages, _hc(t, "output_hc"), t.get("output_norm.weight"),
                          t.get("dflash.fc.weight", "matrix"), t.get("dflash.hidden_norm.weight"),
                          t.get("dflash.dspark.markov.w1", "table"), t.get("dflash.dspark.markov.w2", "matrix"),
-                         None if conf_w is None else conf_w.reshape(-1),
-                         None if conf_b is None else conf_b.reshape(()))
+                         t.reshaped(conf_w, (-1,)), t.reshaped(conf_b, ()))

@@ -19,6 +19,7 @@ from dsparkjax.config import DrafterConfig
 from dsparkjax.ggufio.contract import open_drafter
 from dsparkjax.model.drafter import DrafterModel, DrafterState, init_drafter_state
 from dsparkjax.model.params import DrafterParams, load_drafter_params
+from dsparkjax.model.sources import load_streamed
 from dsparkjax.target_api import Target
 
 
@@ -91,8 +92,11 @@ class Drafter:
         return propose(self.params, self.target.params.embed, self.target.params.head, state, seeds, seed_pos)
 
 
-def load_drafter(path: str, target: Target) -> Drafter:
-    """Open a `deepseek4-dflash-draft` GGUF, check its contract and its fit to `target`, load its weights."""
+def load_drafter(path: str, target: Target, *, progress: bool = False) -> Drafter:
+    """Open a `deepseek4-dflash-draft` GGUF, check its contract and its fit to `target`, load its weights
+    (streamed to the device as the target's, `load_target`)."""
     file, cfg = open_drafter(path, target.config)
     pack = None if target.kernels == "dequantize" else target.kernels
-    return Drafter(file.path, cfg, load_drafter_params(file, cfg, jnp.dtype(target.dtype), pack), target)
+    params = load_streamed(file, lambda source: load_drafter_params(source, cfg, jnp.dtype(target.dtype), pack),
+                           progress=progress)
+    return Drafter(file.path, cfg, params, target)
