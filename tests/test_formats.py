@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import pathlib
 
 import gguf
 import numpy as np
@@ -208,7 +209,11 @@ CODE_RULES = {  # (x at scale 1, expected codes): thresholds, ties and rounding 
         [0, 1, 2, 3, 4, 5, 6, 7, 1, 0, 9, 0, 7],
     ),  # inclusive thresholds, zero never gets the sign
     T.Q3_0_ROCMFPX: ([0.5, 1.5, 3.0, 3.0000002, -1.5, -0.4], [0, 1, 2, 3, 5, 0]),
-    T.Q2_0_ROCMFP2: ([-0.5, 0.5, 1.5, -0.50000006, 0.50000006, 5, -5, 0], [0, 1, 2, 0, 2, 3, 0, 1]),  # ties -> lower
+    # ties -> lower code; at 1e9 all four fp32 distances round to 1e9 (a tie), at 2^24 they do not
+    T.Q2_0_ROCMFP2: (
+        [-0.5, 0.5, 1.5, -0.50000006, 0.50000006, 5, -5, 0, 1e9, -1e9, 2.0**24],
+        [0, 1, 2, 0, 2, 3, 0, 1, 0, 0, 3],
+    ),
     # round half away from zero, in float64: 0.49999997 + 0.5 would round up to 1.0 in fp32
     T.Q6_0_ROCMFPX: ([2.5, -2.5, 0.49999997, 31.4, 40, -0.3], [3, 35, 0, 31, 31, 0]),
     T.Q8_0_ROCMFPX: ([126.5, -126.5, 200, -200, 0.49999997, -0.5], [127, 129, 127, 129, 0, 255]),
@@ -221,6 +226,39 @@ def test_element_code_rules(t):
     x = np.array(x, np.float32)
     assert rocm.CODECS[t].code(x, np.ones_like(x)).tolist() == expected
     assert rocm.CODECS[t].code(x, np.zeros_like(x)).tolist() == [1 if t == T.Q2_0_ROCMFP2 else 0] * x.size
+
+
+GOLDEN = pathlib.Path(__file__).parent / "data" / "rocm_golden" / "golden.npz"
+
+
+@pytest.mark.parametrize("t", ROCM, ids=lambda t: t.name)
+def test_quantize_matches_lucebox_golden_bytes(t):
+    """quantize reproduces, byte for byte, lucebox's C `_ref` quantizer on random and edge-case blocks
+    (ties, zeros, subnormals, saturation, fp32 overflow, NaN/Inf, random bit patterns; see the README)."""
+    with np.load(GOLDEN) as g:
+        inputs, family, expected = g["inputs"], g["family"], g[t.name]
+    assert inputs.shape == (17 * 32, 32) and expected.shape == (inputs.shape[0], F.type_size(t))
+    with np.errstate(all="ignore"):  # fp32 overflow in the data is part of what is tested
+        got = F.quantize(inputs, t)
+    wrong = sorted(set(family[(got != expected).any(axis=1)]))
+    assert not wrong, f"{t.name}: bytes differ from lucebox in families {wrong}"
+
+
+def test_scale_byte_rules_at_fp32_limits():
+    """The two scale rules that only show at the fp32 limits (quant_hc.md §1.3, checked against LB's C):
+    FP4's search keeps e = 0 (a zero block) when every scale's squared error overflows, the FPX search
+    keeps e = 1; FP8 keeps e = 0 when max|x| / 127 rounds to 0."""
+    huge = np.zeros((1, 32), np.float32)
+    huge[0, 3] = 1e30
+    assert F.quantize(huge, T.Q4_0_ROCMFP4).tolist() == [[0] * 18]
+    assert F.quantize(huge, T.Q4_0_ROCMFP4_FAST).tolist() == [[0] * 17]
+    assert F.quantize(huge, T.Q6_0_ROCMFPX)[0, 24:].tolist() == [1, 0]
+    assert F.quantize(huge, T.Q3_0_ROCMFPX)[0, 12:].tolist() == [1, 0]
+    tiny = np.zeros((1, 32), np.float32)
+    tiny[0, 0] = 63 * 2.0**-149  # / 127 < 2^-150: rounds to 0
+    assert F.quantize(tiny, T.Q8_0_ROCMFPX)[0].tolist() == [0] * 33
+    tiny[0, 0] = 64 * 2.0**-149  # / 127 rounds up to 2^-149: nearest scale is e = 1, x * 1024 rounds to 0
+    assert F.quantize(tiny, T.Q8_0_ROCMFPX)[0].tolist() == [0] * 32 + [1]
 
 
 # --- ROCm quantize/dequantize properties ----------------------------------------------------------------

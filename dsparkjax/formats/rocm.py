@@ -5,14 +5,18 @@ Every type packs 32 weights per block as `qs` (the codes) followed by one or two
 multiply. The quantizer is the unweighted `_ref` path of LB `rocmfp4.c` / `rocmfpx.c` (no imatrix):
 
 * FP4, FP2, FP3, FP6 try every scale byte e in 1..126 per scale group and keep the one with the least
-  fp32 squared error, accumulated element by element; ties go to the lower e;
-* FP8 takes the scale nearest to max|x| / 127 (ties to the lower e);
+  fp32 squared error, accumulated element by element; ties go to the lower e. When the error overflows to
+  inf at every e (|x| beyond ~1e19), FP4 keeps e = 0 (its search starts from FLT_MAX and e = 0) and the
+  FPX types keep e = 1 (their search starts from inf, and inf ties go to the lower e);
+* FP8 takes the scale nearest to max|x| / 127 (fp32; ties to the lower e), and e = 0 when that quotient
+  underflows to 0;
+* FP2's code is the level nearest to x/scale by fp32 |v - level|, ties to the lower code, so a |v| so large
+  that every distance rounds to the same float gets code 0 (level -1);
 * a group whose finite max|x| is 0 gets e = 0 and zero codes; non-finite inputs get the zero code and are
   left out of the max and the error.
 
-This module was checked byte-exact (quantize) and bit-exact (dequantize, incl. invalid scale bytes) against
-LB's C reference (`rocmfp4.c`, `rocmfpx.c` at 62880e20, built standalone) on Gaussian, heavy-tailed,
-tie-heavy, tiny, large, all-zero and NaN/Inf data; the tests pin the rules with hand-checked blocks.
+tests/test_formats.py checks quantize byte for byte against golden vectors made by LB's C reference
+(tests/data/rocm_golden/README.md: random, tie, zero, subnormal, saturation and NaN/Inf blocks).
 
 Arrays of blocks are `uint8[n_blocks, type_size]`; values are `float32[n_blocks, 32]`. Work runs in
 chunks of blocks so a tensor of millions of blocks stays within a bounded amount of memory.
@@ -59,7 +63,6 @@ for _table in (ROCM_SCALE_TABLE, _INV_SCALE, FP4_LEVELS, FP3_LEVELS, FP2_LEVELS,
 
 _FP4_THRESHOLDS = np.array([0.5, 1.5, 2.5, 3.5, 5.0, 7.0, 9.0], np.float32)
 _FP3_THRESHOLDS = np.array([0.5, 1.5, 3.0], np.float32)
-_FP2_THRESHOLDS = np.array([-0.5, 0.5, 1.5], np.float32)
 
 
 def _round_half_away(a: np.ndarray) -> np.ndarray:
@@ -83,8 +86,10 @@ def _fp6_magnitude(a: np.ndarray) -> np.ndarray:
 
 
 def _fp2_code(v: np.ndarray) -> np.ndarray:
-    # Nearest of {-1, 0, 1, 2} with ties to the lower code: -0.5 -> code 0 (-1), +0.5 -> code 1 (0).
-    return np.searchsorted(_FP2_THRESHOLDS, v, side="left")
+    # First level with the least fp32 |v - level|: -0.5 -> code 0 (-1), +0.5 -> code 1 (0), and a |v| so large
+    # that all four distances round to the same float -> code 0.
+    dist = np.abs(v[..., None] - FP2_LEVELS.astype(np.float32))
+    return dist.argmin(axis=-1)
 
 
 def _fp8_code(v: np.ndarray) -> np.ndarray:
@@ -100,7 +105,8 @@ class RocmCodec:
     contiguous bitstream. n_scales: scale bytes per block (2 = one per 16-weight half). levels: int8 level
     of each code. scaled_code: code of |x*inv| when sign_bit != 0 (sign-magnitude codes: the sign bit is
     set for x < 0 unless the magnitude code is 0), else of x*inv. search: True for the exhaustive MSE scale
-    search, False for FP8's nearest scale.
+    search, False for FP8's nearest scale. zero_scale_on_overflow: True where the search keeps e = 0 when no
+    scale has an error below FLT_MAX (rocmfp4.c); the rocmfpx.c search then keeps e = 1.
     """
 
     ggml_type: GGMLType
@@ -110,6 +116,7 @@ class RocmCodec:
     scaled_code: Callable[[np.ndarray], np.ndarray]
     sign_bit: int
     search: bool = True
+    zero_scale_on_overflow: bool = False
 
     @property
     def qs_bytes(self) -> int:
@@ -131,8 +138,8 @@ class RocmCodec:
 CODECS: dict[GGMLType, RocmCodec] = {
     c.ggml_type: c
     for c in (
-        RocmCodec(GGMLType.Q4_0_ROCMFP4, 4, 2, FP4_LEVELS, _fp4_magnitude, sign_bit=8),
-        RocmCodec(GGMLType.Q4_0_ROCMFP4_FAST, 4, 1, FP4_LEVELS, _fp4_magnitude, sign_bit=8),
+        RocmCodec(GGMLType.Q4_0_ROCMFP4, 4, 2, FP4_LEVELS, _fp4_magnitude, sign_bit=8, zero_scale_on_overflow=True),
+        RocmCodec(GGMLType.Q4_0_ROCMFP4_FAST, 4, 1, FP4_LEVELS, _fp4_magnitude, sign_bit=8, zero_scale_on_overflow=True),
         RocmCodec(GGMLType.Q6_0_ROCMFPX, 6, 2, FP6_LEVELS, _fp6_magnitude, sign_bit=32),
         RocmCodec(GGMLType.Q8_0_ROCMFPX, 8, 1, FP8_LEVELS, _fp8_code, sign_bit=0, search=False),
         RocmCodec(GGMLType.Q3_0_ROCMFPX, 3, 2, FP3_LEVELS, _fp3_magnitude, sign_bit=4),
@@ -199,19 +206,23 @@ def _search_scale_bytes(groups: np.ndarray, codec: RocmCodec) -> np.ndarray:
     if not codec.search:
         target = max_abs / np.float32(127)
         best = np.abs(candidates[None, :] - target[:, None]).argmin(axis=1)  # first minimum = lower e
-    else:
-        inv = _INV_SCALE[None, 1 : MAX_VALID_SCALE_BYTE + 1]
-        levels = codec.levels.astype(np.float32)
-        # Sign-magnitude codebooks are symmetric: (x - level*s)^2 == (|x| - |level|*s)^2 exactly in fp32,
-        # so the search runs on |x| and magnitude codes only.
-        xs = np.abs(groups) if codec.sign_bit else groups
-        err = np.zeros((groups.shape[0], candidates.size), np.float32)
+        return np.where(target > 0, best + 1, 0).astype(np.uint8)  # a subnormal max/127 can underflow to 0
+    inv = _INV_SCALE[None, 1 : MAX_VALID_SCALE_BYTE + 1]
+    levels = codec.levels.astype(np.float32)
+    # Sign-magnitude codebooks are symmetric: (x - level*s)^2 == (|x| - |level|*s)^2 exactly in fp32,
+    # so the search runs on |x| and magnitude codes only.
+    xs = np.abs(groups) if codec.sign_bit else groups
+    err = np.zeros((groups.shape[0], candidates.size), np.float32)
+    with np.errstate(over="ignore"):  # huge |x| overflow to inf in fp32 exactly as in C
         for i in range(groups.shape[1]):  # sequential fp32 accumulation, element by element as in C
             x = xs[:, i : i + 1]
             d = x - levels[codec.scaled_code(x * inv)] * candidates[None, :]
             err += d * d
-        best = err.argmin(axis=1)  # first minimum = lower e
-    return np.where(max_abs > 0, best + 1, 0).astype(np.uint8)
+    best = err.argmin(axis=1)  # first minimum = lower e; all inf -> e = 1
+    e = best + 1
+    if codec.zero_scale_on_overflow:
+        e = np.where(err[np.arange(err.shape[0]), best] < np.finfo(np.float32).max, e, 0)
+    return np.where(max_abs > 0, e, 0).astype(np.uint8)
 
 
 def quantize_blocks(values: np.ndarray, codec: RocmCodec) -> np.ndarray:
@@ -228,7 +239,9 @@ def quantize_blocks(values: np.ndarray, codec: RocmCodec) -> np.ndarray:
     out = np.empty((n, codec.type_size), np.uint8)
     for s in _chunks(n, _CHUNK_BLOCKS):
         inv = np.repeat(_INV_SCALE[e[s]], group, axis=1)  # [m, 32]
-        out[s, : codec.qs_bytes] = _pack_codes(codec.code(x[s], inv), codec.bits)
+        with np.errstate(over="ignore"):  # x * inv may overflow to inf; the codes of inf match C
+            codes = codec.code(x[s], inv)
+        out[s, : codec.qs_bytes] = _pack_codes(codes, codec.bits)
         out[s, codec.qs_bytes :] = e[s]
     return out
 
