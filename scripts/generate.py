@@ -17,7 +17,7 @@ import time
 
 from absl import app, flags, logging
 
-from dsparkjax import chat, runtime
+from dsparkjax import chat, cli_inputs, runtime
 from dsparkjax.errors import DsparkError
 from dsparkjax.spec.generate import generate
 from dsparkjax.spec.proposer import load_drafter
@@ -48,27 +48,38 @@ _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "> 0 samples (plain decodi
 _OUTPUT = flags.DEFINE_string("output", None, "Write one JSON object per sequence to this file.")
 
 
-def _prompts(tokenizer) -> list[tuple[str, list[int]]]:
-    """(display text, token ids) per prompt from the flags."""
-    prompts: list[tuple[str, list[int]]] = []
+def _prompt_inputs() -> tuple[list[chat.Prompt], list[tuple[str, list[int]]]]:
+    """Text prompts and (shown, ids) id prompts from the flags, checked before any model loads.
+
+    The demo prompts run only when no prompt flag is given at all.
+    """
     texts = [chat.Prompt(text=t) for t in _PROMPT.value]
-    if _PROMPTS_FILE.value:
-        texts += chat.load_prompts(_PROMPTS_FILE.value)
-    if not texts and not _PROMPT_IDS.value:
+    if _PROMPTS_FILE.value is not None:
+        texts += cli_inputs.read_prompts_file(_PROMPTS_FILE.value)
+    id_prompts = [(ids, cli_inputs.parse_prompt_ids(ids)) for ids in _PROMPT_IDS.value]
+    if not texts and not id_prompts:
         texts = [chat.Prompt(text=t) for t in DEFAULT_PROMPTS]
+    return texts, id_prompts
+
+
+def _prompts(tokenizer, texts: list[chat.Prompt], id_prompts: list[tuple[str, list[int]]]
+             ) -> list[tuple[str, list[int]]]:
+    """(display text, token ids) per prompt: the text prompts tokenized, then the id prompts."""
     if texts and tokenizer is None:
         raise DsparkError("text prompts need a tokenizer in the target GGUF; pass --prompt_ids instead")
+    prompts: list[tuple[str, list[int]]] = []
     for p in texts:
         rendered = p.render(chat_template=_CHAT.value or p.messages is not None, thinking=_THINKING.value)
         prompts.append((rendered, tokenizer.encode(rendered, add_bos=not (_CHAT.value or p.messages))))
-    for ids in _PROMPT_IDS.value:
-        prompts.append((ids, [int(i) for i in ids.split(",") if i.strip()]))
-    return prompts
+    return prompts + id_prompts
 
 
 def main(argv: list[str]) -> None:
     del argv
     logging.set_verbosity(logging.WARNING)  # keep library INFO logs (gguf writer, jax backends) off the output
+    texts, id_prompts = _prompt_inputs()
+    if _OUTPUT.value is not None:
+        cli_inputs.check_output_path(_OUTPUT.value)
     runtime.configure()  # before JAX starts: device memory for a full-size model, the compilation cache
     target_path, draft_path = _TARGET.value, _DRAFT.value
     if target_path is None:
@@ -78,7 +89,7 @@ def main(argv: list[str]) -> None:
     drafter = load_drafter(draft_path, target, progress=True) if draft_path else None
     if _MODE.value == "spec" and drafter is None:
         raise DsparkError("--mode spec needs --draft")
-    prompts = _prompts(target.tokenizer)
+    prompts = _prompts(target.tokenizer, texts, id_prompts)
     tok = target.tokenizer
     decoders = [tok.incremental_decoder() if tok else None for _ in prompts]
     streamed = [""] * len(prompts)
@@ -113,7 +124,7 @@ def main(argv: list[str]) -> None:
     mean_accepted = (sum(r.matched for r in results) + steps) / max(steps, 1)
     print(f"mode={_MODE.value} verify={_VERIFY.value} q={_Q.value}: {total} tokens in {elapsed:.2f}s "
           f"({total / elapsed:.1f} tok/s incl. compile), mean accepted length {mean_accepted:.2f} tokens/step")
-    if _OUTPUT.value:
+    if _OUTPUT.value is not None:
         with open(_OUTPUT.value, "w", encoding="utf-8") as f:
             for row in rows:
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
