@@ -70,12 +70,25 @@ def apply_rope(x: jax.Array, positions: jax.Array, freqs: np.ndarray, *, inverse
 # QAT simulations of the official graph (`ds4_arch.md` §6.2).
 
 
+def _pow2_scale(amax: jax.Array, qmax: float) -> jax.Array:
+    """float32 `2^ceil(log2(amax / qmax))`, exact: from the exponent bits, as DeepSeek's `fast_round_scale`.
+
+    jnp.log2/exp2 are not exact in fp32 (exp2 of an integer is off by ulps on CPU), which puts the rounded
+    values off the e4m3/e2m1 grid; frexp/ldexp are bit operations.
+    """
+    mantissa, exponent = jnp.frexp(amax / jnp.float32(qmax))
+    return jnp.ldexp(jnp.float32(1), exponent - (mantissa == 0.5).astype(exponent.dtype))
+
+
 def fp8_kv_sim(x: jax.Array, block: int = 64) -> jax.Array:
-    """Round-trip `[..., n]` (n a multiple of 64) through e4m3 with a power-of-two scale per 64-block."""
+    """Round-trip `[..., n]` (n a multiple of 64) through e4m3 with a power-of-two scale per 64-block.
+
+    Per block: `amax = max(|x|, 1e-4)`, `s = 2^ceil(log2(amax/448))`, `x <- e4m3_rne(clip(x/s, ±448))·s`.
+    """
     shape = x.shape
     blocks = x.astype(jnp.float32).reshape(*shape[:-1], shape[-1] // block, block)
     amax = jnp.maximum(jnp.max(jnp.abs(blocks), axis=-1, keepdims=True), 1e-4)
-    scale = jnp.exp2(jnp.ceil(jnp.log2(amax / 448.0)))
+    scale = _pow2_scale(amax, 448.0)
     q = jnp.clip(blocks / scale, -448.0, 448.0).astype(jnp.float8_e4m3fn).astype(jnp.float32)
     return (q * scale).reshape(shape)
 
@@ -90,16 +103,24 @@ def hadamard_matrix(n: int) -> np.ndarray:
     return h / math.sqrt(n)
 
 
-def fp4_indexer_sim(x: jax.Array, block: int = 32) -> jax.Array:
-    """Hadamard rotation of the last axis, then an e2m1 round trip with a power-of-two scale per 32-block."""
+def fp4_block_round(x: jax.Array, block: int = 32) -> jax.Array:
+    """e2m1 round trip of `[..., n]` (n a multiple of 32) with a power-of-two scale per 32-block.
+
+    Per block: `amax = max(|x|, 6·2^-126)`, `s = 2^ceil(log2(amax/6))`, `x <- e2m1_rne(clip(x/s, ±6))·s`.
+    """
+    blocks = x.astype(jnp.float32).reshape(*x.shape[:-1], x.shape[-1] // block, block)
+    amax = jnp.maximum(jnp.max(jnp.abs(blocks), axis=-1, keepdims=True), 6.0 * 2.0**-126)
+    scale = _pow2_scale(amax, 6.0)
+    q = jnp.clip(blocks / scale, -6.0, 6.0).astype(jnp.float4_e2m1fn).astype(jnp.float32)
+    return (q * scale).reshape(x.shape)
+
+
+def fp4_indexer_sim(x: jax.Array) -> jax.Array:
+    """Hadamard rotation of the last axis (`H/sqrt(n)`), then `fp4_block_round`."""
     n = x.shape[-1]
     rotated = jnp.einsum("...i,ij->...j", x.astype(jnp.float32), jnp.asarray(hadamard_matrix(n), jnp.float32),
                          precision=jax.lax.Precision.HIGHEST)
-    blocks = rotated.reshape(*x.shape[:-1], n // block, block)
-    amax = jnp.maximum(jnp.max(jnp.abs(blocks), axis=-1, keepdims=True), 6.0 * 2.0**-126)
-    scale = jnp.exp2(jnp.ceil(jnp.log2(amax / 6.0)))
-    q = jnp.clip(blocks / scale, -6.0, 6.0).astype(jnp.float4_e2m1fn).astype(jnp.float32)
-    return (q * scale).reshape(x.shape)
+    return fp4_block_round(rotated)
 
 
 # ---------------------------------------------------------------------------------------------------------
