@@ -73,7 +73,8 @@ def edge_blocks(rng: np.random.Generator, qmax: float, block: int, mantissa_bits
     grid midpoints (rounding ties); blocks below the amax floor; zeros with -0."""
     wide = rng.standard_normal((n, block)) * 10.0 ** rng.uniform(-30, 30, (n, 1))
     k = rng.integers(-60, 60, n)
-    edge_max = ((np.float32(qmax) * np.ldexp(1.0, k)).astype(np.float32).view(np.int32) + rng.integers(-3, 4, n, dtype=np.int32))
+    power = (np.float32(qmax) * np.ldexp(1.0, k)).astype(np.float32)
+    edge_max = power.view(np.int32) + rng.integers(-3, 4, n, dtype=np.int32)  # a few ulps either side
     boundary = rng.uniform(-1, 1, (n, block)) * edge_max.view(np.float32)[:, None].astype(np.float64)
     boundary[:, 0] = edge_max.view(np.float32)
     scale = np.ldexp(1.0, rng.integers(-40, 40, (n, 1)))

@@ -138,8 +138,8 @@ class RocmCodec:
 CODECS: dict[GGMLType, RocmCodec] = {
     c.ggml_type: c
     for c in (
-        RocmCodec(GGMLType.Q4_0_ROCMFP4, 4, 2, FP4_LEVELS, _fp4_magnitude, sign_bit=8, zero_scale_on_overflow=True),
-        RocmCodec(GGMLType.Q4_0_ROCMFP4_FAST, 4, 1, FP4_LEVELS, _fp4_magnitude, sign_bit=8, zero_scale_on_overflow=True),
+        RocmCodec(GGMLType.Q4_0_ROCMFP4, 4, 2, FP4_LEVELS, _fp4_magnitude, 8, zero_scale_on_overflow=True),
+        RocmCodec(GGMLType.Q4_0_ROCMFP4_FAST, 4, 1, FP4_LEVELS, _fp4_magnitude, 8, zero_scale_on_overflow=True),
         RocmCodec(GGMLType.Q6_0_ROCMFPX, 6, 2, FP6_LEVELS, _fp6_magnitude, sign_bit=32),
         RocmCodec(GGMLType.Q8_0_ROCMFPX, 8, 1, FP8_LEVELS, _fp8_code, sign_bit=0, search=False),
         RocmCodec(GGMLType.Q3_0_ROCMFPX, 3, 2, FP3_LEVELS, _fp3_magnitude, sign_bit=4),

@@ -68,7 +68,8 @@ def build_reference(checkout: pathlib.Path, scratch: pathlib.Path) -> ctypes.CDL
 def reference_bytes(lib: ctypes.CDLL, function: str, type_size: int, x: np.ndarray) -> np.ndarray:
     x = np.ascontiguousarray(x, np.float32).reshape(-1)
     out = np.zeros(x.size // 32 * type_size, np.uint8)
-    getattr(lib, function)(x.ctypes.data_as(ctypes.c_void_p), out.ctypes.data_as(ctypes.c_void_p), ctypes.c_int64(x.size))
+    pointer = ctypes.c_void_p
+    getattr(lib, function)(x.ctypes.data_as(pointer), out.ctypes.data_as(pointer), ctypes.c_int64(x.size))
     return out.reshape(-1, type_size)
 
 
