@@ -371,7 +371,11 @@ _TP, _DP = TARGET_ARCH + ".", DRAFTER_ARCH + "."
 @pytest.mark.parametrize("kind,key,value,expected", [
     ("target", "expert_used_count", 9, "<= expert_count 8"),
     ("target", "block_count", 0, "> 0"),
-    ("target", "block_count", ("4", GGUFValueType.STRING), "> 0"),
+    ("target", "block_count", ("4", GGUFValueType.STRING), "an integer (UINT32)"),
+    ("target", "block_count", (4.0, GGUFValueType.FLOAT32), "an integer (UINT32)"),
+    ("target", "hyper_connection.sinkhorn_iterations", 2_000_000_000, "at most 1000"),
+    ("target", "rope.freq_base", float("inf"), "a finite number"),
+    ("target", "rope.freq_base", float("nan"), "a finite number"),
     ("target", "attention.layer_norm_rms_epsilon", 0.5, "in (0, 0.01)"),
     ("target", "hash_layer_count", 5, "<= block_count 4"),
     ("target", "rope.dimension_count", 63, "even, > 0"),
