@@ -205,9 +205,14 @@ def check_tensor_bytes(path: str, info: TensorInfo, raw: np.ndarray) -> None:
 
 
 def open_target(path: str) -> tuple[GGUFFile, TargetConfig]:
-    """Open a target GGUF and check its whole contract (metadata and tensor table; not the bytes)."""
+    """Open a target GGUF and check its whole contract (metadata and tensor table; not the bytes), and that the
+    smallest decode state its window implies fits the memory (MemoryBudgetError otherwise)."""
+    from dsparkjax import footprint  # it reads TensorInfo from this package
+
     file = GGUFFile(path)
     cfg = target_config_from_metadata(file.metadata, file.path)
+    # The smallest state a decode needs: one sequence, one-token steps, float32.
+    footprint.check_state_budget(cfg, 1, cfg.sliding_window, 1, np.float32, file.path)
     check_tensors(file.path, file.tensors, target_tensor_specs(cfg))
     check_expert_pairs(file.path, file.tensors, (f"blk.{i}." for i in range(cfg.num_layers)))
     return file, cfg

@@ -53,6 +53,12 @@ _MIN_TENSOR_INFO_BYTES = 8 + 4 + 8 + 4 + 8  # name length, dim count, one dim, t
 _VALUE_BYTES = {GGUFValueType.STRING: 8, GGUFValueType.ARRAY: 4 + 8}
 
 
+def _shown(name: bytes) -> str:
+    """A key or tensor name for an error message: as is when printable, else its repr (a corrupt name)."""
+    text = name.decode("utf-8", errors="replace")
+    return text if text.isprintable() else repr(text)
+
+
 class _LazyReader(GGUFReader):
     """GGUFReader that indexes tensors instead of reading them, knows the lucebox ids, and bounds every count
     of the header by the bytes of the file. `where` names the part being parsed (a key, a tensor), for the
@@ -107,8 +113,7 @@ class _LazyReader(GGUFReader):
         for index in range(count):
             self.where = f"metadata key #{index}"
             length = int(self._get(offs, np.uint64)[0])
-            key = bytes(self._get(offs + 8, np.uint8, length)).decode("utf-8", errors="replace")
-            self.where = f"metadata key {key}"
+            self.where = f"metadata key {_shown(bytes(self._get(offs + 8, np.uint8, length)))}"
             offs = super()._build_fields(offs, 1)
         self.where = "GGUF header"
         return offs
@@ -122,7 +127,7 @@ class _LazyReader(GGUFReader):
         for index in range(count):
             self.where = f"tensor info #{index}"
             length = int(self._get(offs, np.uint64)[0])
-            self.where = "tensor " + bytes(self._get(offs + 8, np.uint8, length)).decode("utf-8", errors="replace")
+            self.where = "tensor " + _shown(bytes(self._get(offs + 8, np.uint8, length)))
             n_dims = int(self._get(offs + 8 + length, np.uint32)[0])
             if not 1 <= n_dims <= MAX_DIMS:
                 raise self._refuse(f"1 to {MAX_DIMS} dimensions", str(n_dims))
@@ -136,7 +141,7 @@ class _LazyReader(GGUFReader):
         for field in fields:
             _, name_data, _, dims, raw_dtype, offset_tensor = field.parts
             name = bytes(name_data).decode("utf-8", errors="replace")
-            self.where = f"tensor {name}"
+            self.where = f"tensor {_shown(bytes(name_data))}"
             if name in infos:
                 raise self._refuse("a unique name", "a duplicate")
             infos[name] = self._tensor_info(name, int(raw_dtype[0]), [int(d) for d in dims.tolist()],
