@@ -10,7 +10,6 @@ The number of examples is FUZZ_EXAMPLES (default 100; hypothesis derandomized, s
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import select
@@ -20,17 +19,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gguf import GGUFReader, GGUFValueType
+from gguf import GGUFValueType
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dsparkjax import formats
-from dsparkjax.config import tiny_target
-from dsparkjax.ggufio.contract import target_tensor_specs
-from dsparkjax.ggufio.reader import GGUFFile
-from dsparkjax.ggufio.writer import write_model_gguf
-from dsparkjax.tiny import random_params
-from dsparkjax.tokenizer import build_tiny_tokenizer
+from gguf_layout import Layout, Mutation, layout_of, u32, u64, write_tiny_target
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "100"))
 SECONDS_PER_FILE = 90  # a new config compiles its step (tens of seconds on a loaded 2-core machine)
@@ -41,66 +35,6 @@ FIELD_MARKERS = ("metadata key ", "tensor ", "GGUF header", "general.architectur
 U64_EDGES = (0, 1, 2, 3, 255, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**62, 2**63, 2**64 - 32, 2**64 - 1)
 U32_EDGES = (0, 1, 2, 3, 4, 5, 8, 16, 127, 128, 1000, 1001, 2**16, 2**24, 2**31, 2**32 - 1)
 F32_EDGES = (float("nan"), float("inf"), -float("inf"), 0.0, -1.0, 1e-30, 1e30, 3.4e38)
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """Byte positions of the base file's fields, found by gguf-py's parser."""
-
-    size: int
-    counts: dict[str, int]  # "tensor_count"/"kv_count" -> offset of the u64
-    keys: dict[str, tuple[int, int, int]]  # key -> (key length offset, value type offset, value offset)
-    key_types: dict[str, GGUFValueType]
-    tensors: dict[str, dict[str, int]]  # name -> offsets of name_len, n_dims, dims, type, offset
-    data: dict[str, tuple[int, int, int]]  # name -> (absolute data offset, nbytes, ggml type)
-
-
-class _IndexOnly(GGUFReader):
-    def _build_tensors(self, start_offs, fields):
-        self.tensor_fields = fields
-
-
-def layout_of(path: str) -> Layout:
-    reader = _IndexOnly(path)
-    keys, key_types = {}, {}
-    for name, field in reader.fields.items():
-        if name.startswith("GGUF."):
-            continue
-        type_offset = field.offset + 8 + len(field.parts[1])
-        keys[name] = (field.offset, type_offset, type_offset + 4)
-        key_types[name] = GGUFValueType(int(field.parts[2][0]))
-    tensors = {}
-    for field in reader.tensor_fields:
-        ends = np.cumsum([0] + [int(p.nbytes) for p in field.parts])
-        tensors[field.name] = {"name_len": field.offset, "n_dims": field.offset + int(ends[2]),
-                               "dims": field.offset + int(ends[3]), "type": field.offset + int(ends[4]),
-                               "offset": field.offset + int(ends[5])}
-    infos = GGUFFile(path).tensors
-    data = {n: (i.offset, i.nbytes, int(i.ggml_type)) for n, i in infos.items()}
-    return Layout(os.path.getsize(path), {"tensor_count": 8, "kv_count": 16}, keys, key_types, tensors, data)
-
-
-@dataclasses.dataclass(frozen=True)
-class Mutation:
-    """A description (shown when an example fails) and the edit: bytes written at offsets, or a cut."""
-
-    what: str
-    writes: tuple[tuple[int, bytes], ...] = ()
-    cut: int | None = None
-
-    def apply(self, base: bytes) -> bytes:
-        data = bytearray(base)
-        for offset, payload in self.writes:
-            data[offset : offset + len(payload)] = payload
-        return bytes(data[: self.cut] if self.cut is not None else data)
-
-
-def _u64(v: int) -> bytes:
-    return np.array([v], np.uint64).tobytes()
-
-
-def _u32(v: int) -> bytes:
-    return np.array([v], np.uint32).tobytes()
 
 
 def _mutations(layout: Layout) -> st.SearchStrategy[Mutation]:
@@ -114,35 +48,35 @@ def _mutations(layout: Layout) -> st.SearchStrategy[Mutation]:
     string_keys = sorted(k for k, t in layout.key_types.items() if t == GGUFValueType.STRING)
 
     def header_count(name: str, v: int) -> Mutation:
-        return Mutation(f"{name} = {v}", ((layout.counts[name], _u64(v)),))
+        return Mutation(f"{name} = {v}", ((layout.counts[name], u64(v)),))
 
     def value_type(k: str, t: int) -> Mutation:
-        return Mutation(f"type of {k} = {t}", ((layout.keys[k][1], _u32(t)),))
+        return Mutation(f"type of {k} = {t}", ((layout.keys[k][1], u32(t)),))
 
     def scalar_value(k: str, i: int, f: float) -> Mutation:
         if layout.key_types[k] == GGUFValueType.FLOAT32:
             return Mutation(f"{k} = {f!r} (float32)", ((layout.keys[k][2], np.array([f], np.float32).tobytes()),))
-        return Mutation(f"{k} = {i} (uint32)", ((layout.keys[k][2], _u32(i)),))
+        return Mutation(f"{k} = {i} (uint32)", ((layout.keys[k][2], u32(i)),))
 
     def as_float(k: str, f: float) -> Mutation:
         v = layout.keys[k][2]
-        return Mutation(f"{k} retyped FLOAT32 = {f!r}", ((layout.keys[k][1], _u32(GGUFValueType.FLOAT32)),
+        return Mutation(f"{k} retyped FLOAT32 = {f!r}", ((layout.keys[k][1], u32(GGUFValueType.FLOAT32)),
                                                         (v, np.array([f], np.float32).tobytes())))
 
     def array_count(k: str, v: int) -> Mutation:
-        return Mutation(f"array count of {k} = {v}", ((layout.keys[k][2] + 4, _u64(v)),))
+        return Mutation(f"array count of {k} = {v}", ((layout.keys[k][2] + 4, u64(v)),))
 
     def string_length(k: str, v: int, of_key: bool) -> Mutation:
         where = layout.keys[k][0] if of_key else layout.keys[k][2]
-        return Mutation(f"{'key' if of_key else 'value'} length of {k} = {v}", ((where, _u64(v)),))
+        return Mutation(f"{'key' if of_key else 'value'} length of {k} = {v}", ((where, u64(v)),))
 
     def tensor_field(name: str, field: str, v: int) -> Mutation:
-        pack = _u64 if field in ("name_len", "offset", "dims") else _u32
+        pack = u64 if field in ("name_len", "offset", "dims") else u32
         return Mutation(f"{field} of tensor {name} = {v}", ((layout.tensors[name][field], pack(v)),))
 
     def tensor_offset_of_other(name: str, other: str) -> Mutation:
         rel = layout.data[other][0] - min(d[0] for d in layout.data.values())
-        return Mutation(f"offset of tensor {name} = that of {other}", ((layout.tensors[name]["offset"], _u64(rel)),))
+        return Mutation(f"offset of tensor {name} = that of {other}", ((layout.tensors[name]["offset"], u64(rel)),))
 
     def data_bytes(name: str, at: float, payload: bytes) -> Mutation:
         start, nbytes, t = layout.data[name]
@@ -155,7 +89,7 @@ def _mutations(layout: Layout) -> st.SearchStrategy[Mutation]:
         start, nbytes, t = layout.data[name]
         dtype = {formats.GGMLType.F32: np.float32, formats.GGMLType.F16: np.float16}.get(t)
         if dtype is None:  # I32 hash table: an expert id
-            return Mutation(f"an id of {name} = 3", ((start + 4 * int(at * (nbytes // 4 - 1)), _u32(3)),))
+            return Mutation(f"an id of {name} = 3", ((start + 4 * int(at * (nbytes // 4 - 1)), u32(3)),))
         index = int(at * (nbytes // np.dtype(dtype).itemsize - 1))
         value = np.array([4 * at - 2], dtype)
         return Mutation(f"value {index} of {name} = {float(value[0])}", ((start + index * value.itemsize, value.tobytes()),))
@@ -229,12 +163,7 @@ class Worker:
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> tuple[str, Layout]:
-    """A 2-layer tiny target (SWA and CSA layers, hash routing) in the published recipe: F32, F16, Q8_0,
-    Q2_K, IQ2_XXS and I32 tensors, and a tokenizer."""
-    cfg = tiny_target(hidden_size=256, moe_intermediate_size=256, layers=2)
-    params = random_params(target_tensor_specs(cfg), 0, cfg.hc_mult, cfg.n_routed_experts)
-    path = str(tmp_path_factory.mktemp("fuzz") / "target.gguf")
-    write_model_gguf(path, cfg, params, recipe="published", tokenizer=build_tiny_tokenizer(cfg.vocab_size))
+    path = write_tiny_target(str(tmp_path_factory.mktemp("fuzz") / "target.gguf"))
     return path, layout_of(path)
 
 
