@@ -17,7 +17,7 @@ import numpy as np
 from dsparkjax.aot import AotFunction
 from dsparkjax.config import TargetConfig
 from dsparkjax.errors import DsparkError, TokenIdError
-from dsparkjax import footprint, formats
+from dsparkjax import formats
 from dsparkjax.ggufio.contract import open_target
 from dsparkjax.ggufio.reader import GGUFFile
 from dsparkjax.model.params import TargetParams, load_target_params
@@ -123,7 +123,6 @@ def forward(target: Target, token_ids: Any, *, chunk: int = 16) -> np.ndarray:
     padded = -(-length // chunk) * chunk
     tokens = np.pad(tokens, ((0, 0), (0, padded - length))).astype(np.int32)
     step = compiled_step(target.config, target.options())
-    footprint.check_state_budget(target.config, batch, padded, chunk, target.dtype, target.path)
     state = init_state(target.config, batch, padded, chunk, target.dtype)
     logits = []
     for start in range(0, padded, chunk):
