@@ -215,7 +215,8 @@ TARGET_KEYS: tuple[MetaKey, ...] = (
     MetaKey("attention.indexer.head_count", "index_heads", _U32, _pos, "> 0", maximum=MAX_COUNT),
     MetaKey("attention.indexer.key_length", "index_head_dim", _U32, _pos, "> 0", maximum=MAX_DIM),
     MetaKey("attention.indexer.top_k", "index_topk", _U32, _pos, "> 0", maximum=MAX_CONTEXT),
-    MetaKey("attention.compress_ratios", "compress_ratios", _U32, _nonneg, "ratios >= 0", array=True, maximum=MAX_RATIO),
+    MetaKey("attention.compress_ratios", "compress_ratios", _U32, _nonneg, "ratios >= 0", array=True,
+            maximum=MAX_RATIO),
     MetaKey("attention.compress_rope_freq_base", "compress_rope_theta", _F32, _pos, "> 0", maximum=MAX_ROPE_BASE),
     MetaKey("attention.layer_norm_rms_epsilon", "rms_norm_eps", _F32, _eps, "in (0, 0.01)"),
     *_MOE_KEYS,
@@ -226,7 +227,8 @@ TARGET_KEYS: tuple[MetaKey, ...] = (
             fixed=SQRT_SOFTPLUS_GATING),
     MetaKey("hash_layer_count", "num_hash_layers", _U32, _nonneg, ">= 0", maximum=MAX_COUNT),
     MetaKey("swiglu_clamp_exp", "swiglu_limit", _F32, _pos, "clamps > 0", array=True, maximum=MAX_DIM),
-    MetaKey("swiglu_clamp_shexp", "swiglu_limit_shared", _F32, _pos, "clamps > 0", required=False, array=True, maximum=MAX_DIM),
+    MetaKey("swiglu_clamp_shexp", "swiglu_limit_shared", _F32, _pos, "clamps > 0", required=False, array=True,
+            maximum=MAX_DIM),
     MetaKey("hyper_connection.count", "hc_mult", _U32, _pos, "> 0", maximum=MAX_COUNT),
     MetaKey("hyper_connection.sinkhorn_iterations", "hc_sinkhorn_iters", _U32, _pos, "> 0", maximum=MAX_SINKHORN_ITERS),
     MetaKey("hyper_connection.epsilon", "hc_eps", _F32, _eps, "in (0, 0.01)"),
@@ -246,7 +248,8 @@ DRAFTER_KEYS: tuple[MetaKey, ...] = (
     *_MOE_KEYS,
     MetaKey("attention.sliding_window", "sliding_window", _U32, _pos, "> 0", required=False, maximum=MAX_CONTEXT),
     MetaKey("hyper_connection.count", "hc_mult", _U32, _pos, "> 0", required=False, maximum=MAX_COUNT),
-    MetaKey("hyper_connection.sinkhorn_iterations", "hc_sinkhorn_iters", _U32, _pos, "> 0", required=False, maximum=MAX_SINKHORN_ITERS),
+    MetaKey("hyper_connection.sinkhorn_iterations", "hc_sinkhorn_iters", _U32, _pos, "> 0", required=False,
+            maximum=MAX_SINKHORN_ITERS),
     MetaKey("hyper_connection.epsilon", "hc_eps", _F32, _eps, "in (0, 0.01)", required=False),
     MetaKey("expert_weights_scale", "routed_scaling_factor", _F32, _pos, "> 0", required=False, maximum=MAX_DIM),
     MetaKey("rope.freq_base", "rope_theta", _F32, _pos, "> 0", required=False, maximum=MAX_ROPE_BASE),
@@ -272,7 +275,8 @@ def _check_value(mk: MetaKey, full: str, v: Any, path: str) -> None:
         raise GGUFContractError(path, f"metadata key {full}", f"an integer ({mk.gtype.name})",
                                 f"{v!r} ({type(v).__name__})")
     if mk.gtype == _F32 and not _is_finite_real(v):
-        raise GGUFContractError(path, f"metadata key {full}", "a finite number (FLOAT32)", f"{v!r} ({type(v).__name__})")
+        raise GGUFContractError(path, f"metadata key {full}", "a finite number (FLOAT32)",
+                                f"{v!r} ({type(v).__name__})")
     if not mk.check(v):
         raise GGUFContractError(path, f"metadata key {full}", mk.expect, repr(v))
     if mk.maximum is not None and v > mk.maximum:

@@ -92,14 +92,16 @@ def _mutations(layout: Layout) -> st.SearchStrategy[Mutation]:
             return Mutation(f"an id of {name} = 3", ((start + 4 * int(at * (nbytes // 4 - 1)), u32(3)),))
         index = int(at * (nbytes // np.dtype(dtype).itemsize - 1))
         value = np.array([4 * at - 2], dtype)
-        return Mutation(f"value {index} of {name} = {float(value[0])}", ((start + index * value.itemsize, value.tobytes()),))
+        return Mutation(f"value {index} of {name} = {float(value[0])}",
+                        ((start + index * value.itemsize, value.tobytes()),))
 
     def nonfinite(name: str, at: float, v: float) -> Mutation:
         start, nbytes, t = layout.data[name]
         gt = formats.GGMLType(t)
         if gt == formats.GGMLType.F32:
             index = int(at * (nbytes // 4 - 1))
-            return Mutation(f"value {index} of {name} = {v}", ((start + 4 * index, np.array([v], np.float32).tobytes()),))
+            return Mutation(f"value {index} of {name} = {v}",
+                            ((start + 4 * index, np.array([v], np.float32).tobytes()),))
         if gt == formats.GGMLType.I32:
             return Mutation(f"id 0 of {name} = -1", ((start, np.array([-1], np.int32).tobytes()),))
         from dsparkjax.ggufio.finite import F16_SCALE_OFFSETS

@@ -81,7 +81,8 @@ class _LazyReader(GGUFReader):
         end = int(offset) + np.dtype(dtype).itemsize * count
         if end > self.data.shape[0]:
             raise self._refuse(f"{count} value(s) of {np.dtype(dtype).name} at byte {offset}",
-                               f"a file of {self.data.shape[0]} bytes (truncated or corrupt: a count or length past the end)")
+                               f"a file of {self.data.shape[0]} bytes "
+                               "(truncated or corrupt: a count or length past the end)")
         return super()._get(offset, dtype, count, override_order)
 
     def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple[int, list, list, list]:
@@ -102,7 +103,8 @@ class _LazyReader(GGUFReader):
             left = self.data.shape[0] - orig_offs - 12
             if count * item_bytes > left:
                 raise self._refuse(f"an array count that fits the {left} bytes left in the file",
-                                   f"{count} entries of {item.name}, at least {count * item_bytes} bytes (truncated or corrupt)")
+                                   f"{count} entries of {item.name}, at least {count * item_bytes} bytes "
+                                   "(truncated or corrupt)")
         return super()._get_field_parts(orig_offs, raw_type)
 
     def _build_fields(self, offs: int, count: int) -> int:

@@ -110,7 +110,8 @@ class _TensorReader:
     A matrix (a weight multiplied by `linear`/`expert_linear`) stays packed as a PackedWeight when `pack`
     names a kernel backend and the tensor is packed as stored, else it is decoded to the compute dtype on the
     device. Under a kernel backend a quantized type without a kernel is refused (UnsupportedTypeError with
-    the dense bytes it would take) rather than silently decoded to several times its size. On a ShapeSource every step runs under `jax.eval_shape`: the result holds shapes, not arrays.
+    the dense bytes it would take) rather than silently decoded to several times its size. On a ShapeSource
+    every step runs under `jax.eval_shape`: the result holds shapes, not arrays.
     """
 
     def __init__(self, source: TensorSource, dtype: jnp.dtype, pack: str | None):
