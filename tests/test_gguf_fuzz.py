@@ -38,9 +38,9 @@ F32_EDGES = (float("nan"), float("inf"), -float("inf"), 0.0, -1.0, 1e-30, 1e30, 
 
 
 def _mutations(layout: Layout) -> st.SearchStrategy[Mutation]:
-    u64 = st.one_of(st.sampled_from(U64_EDGES), st.integers(0, 2**64 - 1))
-    u32 = st.one_of(st.sampled_from(U32_EDGES), st.integers(0, 2**32 - 1))
-    f32 = st.one_of(st.sampled_from(F32_EDGES), st.floats(width=32))
+    any_u64 = st.one_of(st.sampled_from(U64_EDGES), st.integers(0, 2**64 - 1))
+    any_u32 = st.one_of(st.sampled_from(U32_EDGES), st.integers(0, 2**32 - 1))
+    any_f32 = st.one_of(st.sampled_from(F32_EDGES), st.floats(width=32))
     key = st.sampled_from(sorted(layout.keys))
     tensor = st.sampled_from(sorted(layout.tensors))
     scalar_keys = sorted(k for k, t in layout.key_types.items() if t in (GGUFValueType.UINT32, GGUFValueType.FLOAT32))
@@ -116,13 +116,13 @@ def _mutations(layout: Layout) -> st.SearchStrategy[Mutation]:
 
     at = st.floats(0, 1)
     return st.one_of(
-        st.builds(header_count, st.sampled_from(sorted(layout.counts)), u64),
+        st.builds(header_count, st.sampled_from(sorted(layout.counts)), any_u64),
         st.builds(value_type, key, st.one_of(st.integers(0, 13), st.sampled_from((14, 255, 2**32 - 1)))),
-        st.builds(scalar_value, st.sampled_from(scalar_keys), u32, f32),
-        st.builds(as_float, st.sampled_from(scalar_keys), f32),
-        st.builds(array_count, st.sampled_from(array_keys), u64),
-        st.builds(string_length, st.sampled_from(string_keys), u64, st.booleans()),
-        st.builds(tensor_field, tensor, st.sampled_from(("name_len", "n_dims", "dims", "type", "offset")), u64),
+        st.builds(scalar_value, st.sampled_from(scalar_keys), any_u32, any_f32),
+        st.builds(as_float, st.sampled_from(scalar_keys), any_f32),
+        st.builds(array_count, st.sampled_from(array_keys), any_u64),
+        st.builds(string_length, st.sampled_from(string_keys), any_u64, st.booleans()),
+        st.builds(tensor_field, tensor, st.sampled_from(("name_len", "n_dims", "dims", "type", "offset")), any_u64),
         st.builds(tensor_field, tensor, st.just("type"), st.one_of(st.integers(0, 41), st.integers(100, 107))),
         st.builds(tensor_offset_of_other, tensor, tensor),
         st.builds(data_bytes, tensor, at, st.binary(min_size=1, max_size=8)),
