@@ -16,7 +16,7 @@ from typing import Any, Mapping
 import jax
 import jax.numpy as jnp
 
-from dsparkjax.config import TARGET_ARCH, TargetConfig
+from dsparkjax.config import DRAFTER_ARCH, TARGET_ARCH, DrafterConfig, TargetConfig
 from dsparkjax.errors import DeviceMemoryError, MemoryBudgetError
 from dsparkjax.ggufio.reader import TensorInfo
 from dsparkjax.model.state import init_state
@@ -81,6 +81,19 @@ def check_state_budget(cfg: TargetConfig, batch: int, max_len: int, max_step: in
     else:
         key = f"max_len = {max_len} (the compressed context of {cfg.num_layers} layers, batch {batch})"
     raise MemoryBudgetError(source, key, needed, available, where)
+
+
+def check_drafter_budget(cfg: DrafterConfig, source: str) -> None:
+    """MemoryBudgetError unless the drafter's smallest state (one sequence, one-token steps, float32: its context
+    rings of `attention.sliding_window` rows per stage) fits the free memory."""
+    from dsparkjax.model.drafter import init_drafter_state  # the drafter model imports the loaders
+
+    needed = tree_bytes(jax.eval_shape(lambda: init_drafter_state(cfg, 1, 1, jnp.float32)))
+    available, where = available_bytes()
+    if needed > available:
+        key = (f"{DRAFTER_ARCH}.attention.sliding_window = {cfg.sliding_window} (the context ring of "
+               f"{cfg.num_stages} stages)")
+        raise MemoryBudgetError(source, key, needed, available, where)
 
 
 def step_weight_bytes(params: Any, cfg: TargetConfig) -> int:

@@ -3,6 +3,7 @@ the file and the key or tensor (docs/RELIABILITY.md lists the guarantees)."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 from dsparkjax import footprint
-from dsparkjax.config import tiny_target
+from dsparkjax.config import tiny_drafter, tiny_target
 from dsparkjax.errors import GGUFContractError, MemoryBudgetError, UnsupportedTypeError
 from dsparkjax.formats import GGMLType
 from dsparkjax.ggufio import open_target
@@ -110,6 +111,13 @@ def test_window_beyond_memory_is_a_budget_error_naming_the_key(base, tmp_path):
     key = "deepseek4.attention.sliding_window"
     refused(base, tmp_path, Mutation("", ((base[2].keys[key][2], u32(2**24)),)), key, "GB",
             cls=MemoryBudgetError)
+
+
+def test_drafter_window_beyond_memory_is_a_budget_error_naming_the_key():
+    cfg = dataclasses.replace(tiny_drafter(tiny_target()), sliding_window=2**24, head_dim=2**14, rope_dim=64)
+    key = r"deepseek4-dflash-draft\.attention\.sliding_window = 16777216"
+    with pytest.raises(MemoryBudgetError, match=rf"d\.gguf: {key}"):
+        footprint.check_drafter_budget(cfg, "d.gguf")
 
 
 def test_context_beyond_memory_is_a_budget_error_naming_max_len():

@@ -219,9 +219,13 @@ def open_target(path: str) -> tuple[GGUFFile, TargetConfig]:
 
 
 def open_drafter(path: str, target: TargetConfig | None = None) -> tuple[GGUFFile, DrafterConfig]:
-    """Open a drafter GGUF, check its contract and, given the target's config, their compatibility."""
+    """Open a drafter GGUF, check its contract and, given the target's config, their compatibility, and that its
+    context rings fit the memory (MemoryBudgetError otherwise)."""
+    from dsparkjax import footprint  # it reads TensorInfo from this package
+
     file = GGUFFile(path)
     cfg = drafter_config_from_metadata(file.metadata, file.path)
+    footprint.check_drafter_budget(cfg, file.path)
     tensors = file.tensors
     if "dflash.dspark.confidence.bias" in tensors and "dflash.dspark.confidence.weight" not in tensors:
         raise GGUFContractError(file.path, "tensor dflash.dspark.confidence.bias",
