@@ -151,6 +151,7 @@ class MetaKey:
     required: bool = True
     array: bool = False
     fixed: Any = None  # the value a `field=None` key must have (and is written with)
+    maximum: float | None = None  # a sane model limit: larger values would hang a loop or exhaust memory
 
 
 def _pos(x: Any) -> bool:
@@ -165,83 +166,121 @@ def _eps(x: Any) -> bool:
     return isinstance(x, (int, float)) and 0 < x < 1e-2
 
 
+def _is_integer(x: Any) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _is_finite_real(x: Any) -> bool:
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_)) \
+        and math.isfinite(x)
+
+
+# Sane model limits, far above DeepSeek-V4-Flash's values (ds4_arch.md §1.1) and far below what would make a
+# loop run for hours or a shape need terabytes before any check of device memory could run.
+MAX_DIM = 1 << 16  # hidden size, head and LoRA widths, expert widths
+MAX_VOCAB = 1 << 22
+MAX_COUNT = 1 << 12  # layers, heads, experts, stages
+MAX_SINKHORN_ITERS = 1000  # DS4 uses 20
+MAX_CONTEXT = 1 << 24  # tokens (DS4: 2^20)
+MAX_RATIO = 1 << 12  # compress ratio (DS4: 128)
+MAX_ROPE_BASE = 1e12
+
+
 _U32, _F32 = GGUFValueType.UINT32, GGUFValueType.FLOAT32
 
 # Keys the target and the drafter share: the MLA attention block and the MoE sizes.
 _ATTENTION_KEYS: tuple[MetaKey, ...] = (
-    MetaKey("embedding_length", "hidden_size", _U32, _pos, "> 0"),
-    MetaKey("vocab_size", "vocab_size", _U32, _pos, "> 0"),
-    MetaKey("attention.head_count", "num_heads", _U32, _pos, "> 0"),
+    MetaKey("embedding_length", "hidden_size", _U32, _pos, "> 0", maximum=MAX_DIM),
+    MetaKey("vocab_size", "vocab_size", _U32, _pos, "> 0", maximum=MAX_VOCAB),
+    MetaKey("attention.head_count", "num_heads", _U32, _pos, "> 0", maximum=MAX_COUNT),
     MetaKey("attention.head_count_kv", None, _U32, lambda x: x == 1, "1 (one shared K=V head)", fixed=1),
-    MetaKey("attention.key_length", "head_dim", _U32, _pos, "> 0"),
-    MetaKey("rope.dimension_count", "rope_dim", _U32, lambda x: _pos(x) and x % 2 == 0, "even, > 0"),
-    MetaKey("attention.q_lora_rank", "q_lora_rank", _U32, _pos, "> 0"),
-    MetaKey("attention.output_lora_rank", "o_lora_rank", _U32, _pos, "> 0"),
-    MetaKey("attention.output_group_count", "o_groups", _U32, _pos, "> 0"),
+    MetaKey("attention.key_length", "head_dim", _U32, _pos, "> 0", maximum=MAX_DIM),
+    MetaKey("rope.dimension_count", "rope_dim", _U32, lambda x: _pos(x) and x % 2 == 0, "even, > 0", maximum=MAX_DIM),
+    MetaKey("attention.q_lora_rank", "q_lora_rank", _U32, _pos, "> 0", maximum=MAX_DIM),
+    MetaKey("attention.output_lora_rank", "o_lora_rank", _U32, _pos, "> 0", maximum=MAX_DIM),
+    MetaKey("attention.output_group_count", "o_groups", _U32, _pos, "> 0", maximum=MAX_COUNT),
 )
 _MOE_KEYS: tuple[MetaKey, ...] = (
-    MetaKey("expert_count", "n_routed_experts", _U32, _pos, "> 0"),
-    MetaKey("expert_used_count", "n_active_experts", _U32, _pos, "> 0"),
-    MetaKey("expert_feed_forward_length", "moe_intermediate_size", _U32, _pos, "> 0"),
+    MetaKey("expert_count", "n_routed_experts", _U32, _pos, "> 0", maximum=MAX_COUNT),
+    MetaKey("expert_used_count", "n_active_experts", _U32, _pos, "> 0", maximum=MAX_COUNT),
+    MetaKey("expert_feed_forward_length", "moe_intermediate_size", _U32, _pos, "> 0", maximum=MAX_DIM),
     MetaKey("expert_shared_count", "n_shared_experts", _U32, lambda x: x == 1, "1"),
 )
 
 TARGET_KEYS: tuple[MetaKey, ...] = (
-    MetaKey("block_count", "num_layers", _U32, _pos, "> 0"),
-    MetaKey("context_length", "context_length", _U32, _pos, "> 0", required=False),
+    MetaKey("block_count", "num_layers", _U32, _pos, "> 0", maximum=MAX_COUNT),
+    MetaKey("context_length", "context_length", _U32, _pos, "> 0", required=False, maximum=MAX_CONTEXT),
     *_ATTENTION_KEYS,
-    MetaKey("attention.sliding_window", "sliding_window", _U32, _pos, "> 0"),
-    MetaKey("attention.indexer.head_count", "index_heads", _U32, _pos, "> 0"),
-    MetaKey("attention.indexer.key_length", "index_head_dim", _U32, _pos, "> 0"),
-    MetaKey("attention.indexer.top_k", "index_topk", _U32, _pos, "> 0"),
-    MetaKey("attention.compress_ratios", "compress_ratios", _U32, _nonneg, "ratios >= 0", array=True),
-    MetaKey("attention.compress_rope_freq_base", "compress_rope_theta", _F32, _pos, "> 0"),
+    MetaKey("attention.sliding_window", "sliding_window", _U32, _pos, "> 0", maximum=MAX_CONTEXT),
+    MetaKey("attention.indexer.head_count", "index_heads", _U32, _pos, "> 0", maximum=MAX_COUNT),
+    MetaKey("attention.indexer.key_length", "index_head_dim", _U32, _pos, "> 0", maximum=MAX_DIM),
+    MetaKey("attention.indexer.top_k", "index_topk", _U32, _pos, "> 0", maximum=MAX_CONTEXT),
+    MetaKey("attention.compress_ratios", "compress_ratios", _U32, _nonneg, "ratios >= 0", array=True,
+            maximum=MAX_RATIO),
+    MetaKey("attention.compress_rope_freq_base", "compress_rope_theta", _F32, _pos, "> 0", maximum=MAX_ROPE_BASE),
     MetaKey("attention.layer_norm_rms_epsilon", "rms_norm_eps", _F32, _eps, "in (0, 0.01)"),
     *_MOE_KEYS,
     MetaKey("expert_group_count", None, _U32, lambda x: x == 0, "0 (no grouped routing)", False, fixed=0),
-    MetaKey("expert_weights_scale", "routed_scaling_factor", _F32, _pos, "> 0"),
+    MetaKey("expert_weights_scale", "routed_scaling_factor", _F32, _pos, "> 0", maximum=MAX_DIM),
     MetaKey("expert_weights_norm", None, GGUFValueType.BOOL, lambda x: x is True, "true", False, fixed=True),
     MetaKey("expert_gating_func", None, _U32, lambda x: x == SQRT_SOFTPLUS_GATING, "4 (sqrt-softplus)", False,
             fixed=SQRT_SOFTPLUS_GATING),
-    MetaKey("hash_layer_count", "num_hash_layers", _U32, _nonneg, ">= 0"),
-    MetaKey("swiglu_clamp_exp", "swiglu_limit", _F32, _pos, "clamps > 0", array=True),
-    MetaKey("swiglu_clamp_shexp", "swiglu_limit_shared", _F32, _pos, "clamps > 0", required=False, array=True),
-    MetaKey("hyper_connection.count", "hc_mult", _U32, _pos, "> 0"),
-    MetaKey("hyper_connection.sinkhorn_iterations", "hc_sinkhorn_iters", _U32, _pos, "> 0"),
+    MetaKey("hash_layer_count", "num_hash_layers", _U32, _nonneg, ">= 0", maximum=MAX_COUNT),
+    MetaKey("swiglu_clamp_exp", "swiglu_limit", _F32, _pos, "clamps > 0", array=True, maximum=MAX_DIM),
+    MetaKey("swiglu_clamp_shexp", "swiglu_limit_shared", _F32, _pos, "clamps > 0", required=False, array=True,
+            maximum=MAX_DIM),
+    MetaKey("hyper_connection.count", "hc_mult", _U32, _pos, "> 0", maximum=MAX_COUNT),
+    MetaKey("hyper_connection.sinkhorn_iterations", "hc_sinkhorn_iters", _U32, _pos, "> 0", maximum=MAX_SINKHORN_ITERS),
     MetaKey("hyper_connection.epsilon", "hc_eps", _F32, _eps, "in (0, 0.01)"),
-    MetaKey("rope.freq_base", "rope_theta", _F32, _pos, "> 0"),
+    MetaKey("rope.freq_base", "rope_theta", _F32, _pos, "> 0", maximum=MAX_ROPE_BASE),
     MetaKey("rope.scaling.type", None, GGUFValueType.STRING, lambda x: x == "yarn", '"yarn"', False,
             fixed="yarn"),
-    MetaKey("rope.scaling.factor", "yarn_factor", _F32, _pos, "> 0"),
-    MetaKey("rope.scaling.original_context_length", "yarn_original_context", _U32, _pos, "> 0"),
-    MetaKey("rope.scaling.yarn_beta_fast", "yarn_beta_fast", _F32, _pos, "> 0"),
-    MetaKey("rope.scaling.yarn_beta_slow", "yarn_beta_slow", _F32, _pos, "> 0"),
+    MetaKey("rope.scaling.factor", "yarn_factor", _F32, _pos, "> 0", maximum=MAX_CONTEXT),
+    MetaKey("rope.scaling.original_context_length", "yarn_original_context", _U32, _pos, "> 0", maximum=MAX_CONTEXT),
+    MetaKey("rope.scaling.yarn_beta_fast", "yarn_beta_fast", _F32, _pos, "> 0", maximum=MAX_DIM),
+    MetaKey("rope.scaling.yarn_beta_slow", "yarn_beta_slow", _F32, _pos, "> 0", maximum=MAX_DIM),
 )
 
 # lucebox's loader has defaults for the optional drafter keys (dspark.md §1.4); the dataclass carries them.
 DRAFTER_KEYS: tuple[MetaKey, ...] = (
-    MetaKey("block_count", "num_stages", _U32, _pos, "> 0"),
+    MetaKey("block_count", "num_stages", _U32, _pos, "> 0", maximum=MAX_COUNT),
     *_ATTENTION_KEYS,
     *_MOE_KEYS,
-    MetaKey("attention.sliding_window", "sliding_window", _U32, _pos, "> 0", required=False),
-    MetaKey("hyper_connection.count", "hc_mult", _U32, _pos, "> 0", required=False),
-    MetaKey("hyper_connection.sinkhorn_iterations", "hc_sinkhorn_iters", _U32, _pos, "> 0", required=False),
+    MetaKey("attention.sliding_window", "sliding_window", _U32, _pos, "> 0", required=False, maximum=MAX_CONTEXT),
+    MetaKey("hyper_connection.count", "hc_mult", _U32, _pos, "> 0", required=False, maximum=MAX_COUNT),
+    MetaKey("hyper_connection.sinkhorn_iterations", "hc_sinkhorn_iters", _U32, _pos, "> 0", required=False,
+            maximum=MAX_SINKHORN_ITERS),
     MetaKey("hyper_connection.epsilon", "hc_eps", _F32, _eps, "in (0, 0.01)", required=False),
-    MetaKey("expert_weights_scale", "routed_scaling_factor", _F32, _pos, "> 0", required=False),
-    MetaKey("rope.freq_base", "rope_theta", _F32, _pos, "> 0", required=False),
+    MetaKey("expert_weights_scale", "routed_scaling_factor", _F32, _pos, "> 0", required=False, maximum=MAX_DIM),
+    MetaKey("rope.freq_base", "rope_theta", _F32, _pos, "> 0", required=False, maximum=MAX_ROPE_BASE),
     MetaKey("attention.layer_norm_rms_epsilon", "rms_norm_eps", _F32, _eps, "in (0, 0.01)", required=False),
-    MetaKey("swiglu_clamp_exp", "swiglu_limit", _F32, _pos, "> 0", required=False, array=True),
-    MetaKey("dflash.n_target_layers", None, _U32, _pos, "> 0 and equal to the capture id count"),
-    MetaKey("dflash.block_size", "block_size", _U32, _pos, "> 0"),
-    MetaKey("dflash.mask_token_id", "mask_token_id", _U32, _nonneg, ">= 0"),
+    MetaKey("swiglu_clamp_exp", "swiglu_limit", _F32, _pos, "> 0", required=False, array=True, maximum=MAX_DIM),
+    MetaKey("dflash.n_target_layers", None, _U32, _pos, "> 0 and equal to the capture id count", maximum=MAX_COUNT),
+    MetaKey("dflash.block_size", "block_size", _U32, _pos, "> 0", maximum=MAX_COUNT),
+    MetaKey("dflash.mask_token_id", "mask_token_id", _U32, _nonneg, ">= 0", maximum=MAX_VOCAB),
     MetaKey("dflash.head_hc_enabled", "head_hc_enabled", _U32, _nonneg, ">= 0", required=False),
     MetaKey("dflash.capture_layer_ids", "capture_layer_ids", GGUFValueType.INT32, _nonneg, "ids >= 0",
-            array=True),
+            array=True, maximum=MAX_COUNT),
     MetaKey("dflash.dspark.enabled", None, _U32, lambda x: x == 1, "1 (a DSpark drafter)", fixed=1),
-    MetaKey("dflash.dspark.markov_rank", "markov_rank", _U32, _pos, "> 0"),
-    MetaKey("dflash.dspark.vocab_size", None, _U32, _pos, "equal to vocab_size"),
-    MetaKey("dflash.dspark.confidence_dim", "confidence_dim", _U32, _nonneg, ">= 0"),
+    MetaKey("dflash.dspark.markov_rank", "markov_rank", _U32, _pos, "> 0", maximum=MAX_DIM),
+    MetaKey("dflash.dspark.vocab_size", None, _U32, _pos, "equal to vocab_size", maximum=MAX_VOCAB),
+    MetaKey("dflash.dspark.confidence_dim", "confidence_dim", _U32, _nonneg, ">= 0", maximum=2 * MAX_DIM),
 )
+
+
+def _check_value(mk: MetaKey, full: str, v: Any, path: str) -> None:
+    """The GGUF value type the key needs (an integer where a count or size is meant, a finite number where a
+    float is), then its sane range and limit: GGUFContractError naming the key otherwise."""
+    if mk.gtype in (_U32, GGUFValueType.INT32) and not _is_integer(v):
+        raise GGUFContractError(path, f"metadata key {full}", f"an integer ({mk.gtype.name})",
+                                f"{v!r} ({type(v).__name__})")
+    if mk.gtype == _F32 and not _is_finite_real(v):
+        raise GGUFContractError(path, f"metadata key {full}", "a finite number (FLOAT32)",
+                                f"{v!r} ({type(v).__name__})")
+    if not mk.check(v):
+        raise GGUFContractError(path, f"metadata key {full}", mk.expect, repr(v))
+    if mk.maximum is not None and v > mk.maximum:
+        raise GGUFContractError(path, f"metadata key {full}", f"at most {mk.maximum:g} (a sane model limit)", repr(v))
 
 
 def _read_keys(
@@ -267,8 +306,7 @@ def _read_keys(
         if mk.gtype == _F32:  # stored as float32: keep the shortest decimal that round-trips (1e-06, not 9.99999997e-07)
             values = [float(str(np.float32(v))) if isinstance(v, float) else v for v in values]
         for v in values:
-            if not mk.check(v):
-                raise GGUFContractError(path, f"metadata key {full}", mk.expect, repr(v))
+            _check_value(mk, full, v, path)
         if mk.field is not None:
             fields[mk.field] = tuple(values) if mk.array else values[0]
     return fields
@@ -293,6 +331,9 @@ def target_config_from_metadata(meta: Mapping[str, Any], path: str) -> TargetCon
     for tok_key, field in (("tokenizer.ggml.bos_token_id", "bos_token_id"),
                            ("tokenizer.ggml.eos_token_id", "eos_token_id")):
         if tok_key in meta:
+            if not _is_integer(meta[tok_key]) or meta[tok_key] < 0:
+                raise GGUFContractError(path, f"metadata key {tok_key}", "a token id (an integer >= 0)",
+                                        repr(meta[tok_key]))
             f[field] = int(meta[tok_key])
     f = {k: (float(v) if isinstance(v, float) else v) for k, v in f.items()}
     cfg = TargetConfig(**f)

@@ -23,6 +23,17 @@ class IncompatibleDrafterError(GGUFContractError):
     """A drafter GGUF does not fit the target it is loaded against."""
 
 
+class MemoryBudgetError(DsparkError):
+    """A size from a file's metadata or an argument (a window, a context length, a dense copy of a packed
+    format) that would need more memory than the device or host has: refused before anything is allocated,
+    naming the key and the bytes needed and available."""
+
+    def __init__(self, source: str, key: str, needed: int, available: int, where: str):
+        self.source, self.key, self.needed, self.available = str(source), key, needed, available
+        super().__init__(f"{self.source}: {key}: needs {needed / 1e9:.3g} GB, but {available / 1e9:.3g} GB "
+                         f"{where}")
+
+
 class FormatError(DsparkError):
     """Bytes or values that a weight format cannot encode or decode (bad length, invalid scale byte)."""
 

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import resource
 from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
 
-from dsparkjax.config import TargetConfig
-from dsparkjax.errors import DeviceMemoryError
+from dsparkjax.config import DRAFTER_ARCH, TARGET_ARCH, DrafterConfig, TargetConfig
+from dsparkjax.errors import DeviceMemoryError, MemoryBudgetError
 from dsparkjax.ggufio.reader import TensorInfo
 from dsparkjax.model.state import init_state
 from dsparkjax.runtime import MEM_FRACTION
@@ -36,6 +37,63 @@ def tree_bytes(tree: Any) -> int:
 def state_bytes(cfg: TargetConfig, batch: int, max_len: int, max_step: int, dtype: Any) -> int:
     """Bytes of `init_state(cfg, batch, max_len, max_step, dtype)`, from shapes alone."""
     return tree_bytes(jax.eval_shape(lambda: init_state(cfg, batch, max_len, max_step, dtype)))
+
+
+def host_available_bytes() -> int:
+    """Memory this process can still get from the host: MemAvailable of /proc/meminfo (else the physical
+    memory), and no more than its address-space limit (RLIMIT_AS) leaves beside what it has mapped."""
+    available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+        limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+        if limit != resource.RLIM_INFINITY:
+            with open("/proc/self/statm") as f:
+                mapped = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+            available = min(available, max(limit - mapped, 0))
+    except OSError:
+        pass
+    return available
+
+
+def available_bytes() -> tuple[int, str]:
+    """(bytes, where): free memory of the default device's JAX pool, or of the host where JAX reports none."""
+    mem = device_memory()
+    if mem is not None:
+        return mem.free, f"are free on the {mem.device}"
+    return host_available_bytes(), "are available on the host"
+
+
+def check_state_budget(cfg: TargetConfig, batch: int, max_len: int, max_step: int, dtype: Any, source: str) -> None:
+    """MemoryBudgetError unless `init_state(cfg, batch, max_len, max_step, dtype)` fits the free memory, naming
+    what makes it large: the window ring (`attention.sliding_window` of `source`) or the context (`max_len`
+    compressed entries per sequence). Sized from shapes alone, so a state of terabytes is refused at once."""
+    needed = state_bytes(cfg, batch, max_len, max_step, dtype)
+    available, where = available_bytes()
+    if needed <= available:
+        return
+    rings = state_bytes(cfg, batch, 1, max_step, dtype)  # max_len 1: the rings and one compressed entry
+    if 2 * rings >= needed:
+        key = (f"{TARGET_ARCH}.attention.sliding_window = {cfg.sliding_window} (the window ring of "
+               f"{cfg.num_layers} layers, batch {batch})")
+    else:
+        key = f"max_len = {max_len} (the compressed context of {cfg.num_layers} layers, batch {batch})"
+    raise MemoryBudgetError(source, key, needed, available, where)
+
+
+def check_drafter_budget(cfg: DrafterConfig, source: str) -> None:
+    """MemoryBudgetError unless the drafter's smallest state (one sequence, one-token steps, float32: its context
+    rings of `attention.sliding_window` rows per stage) fits the free memory."""
+    from dsparkjax.model.drafter import init_drafter_state  # the drafter model imports the loaders
+
+    needed = tree_bytes(jax.eval_shape(lambda: init_drafter_state(cfg, 1, 1, jnp.float32)))
+    available, where = available_bytes()
+    if needed > available:
+        key = (f"{DRAFTER_ARCH}.attention.sliding_window = {cfg.sliding_window} (the context ring of "
+               f"{cfg.num_stages} stages)")
+        raise MemoryBudgetError(source, key, needed, available, where)
 
 
 def step_weight_bytes(params: Any, cfg: TargetConfig) -> int:

@@ -3,10 +3,10 @@
     python -m dsparkjax.inspect TARGET [--draft DRAFT] [--check_bytes]
 
 Checks the whole contract of each file (metadata, tensor table, the drafter's fit to the target; with
-`--check_bytes` also every ROCm tensor's scale bytes) and prints the config, the tensor count, the bytes
-per tensor family, the quant recipe actually found (family -> ggml types) and the quantized types whose
-matrices stay packed on the kernels under kernels="ffi"/"reference". On a contract violation it
-prints the error message and exits with status 1.
+`--check_bytes` also every tensor's bytes: ROCm scale bytes, NaN/inf values and block scales) and prints
+the config, the tensor count, the bytes per tensor family, the quant recipe actually found (family -> ggml
+types) and the quantized types whose matrices stay packed on the kernels under kernels="ffi"/"reference".
+On a contract violation it prints the error message and exits with status 1.
 """
 
 from __future__ import annotations
@@ -49,10 +49,11 @@ def _describe_file(kind: str, file: GGUFFile, cfg, specs, check_bytes: bool) -> 
     lines += [f"    {fam}: {', '.join(sorted(types[fam]))}" for fam in order]
     lines.append(_kernel_line(file))
     if check_bytes:
-        rocm = [info for info in file.tensors.values() if formats.is_rocm_type(info.ggml_type)]
-        for info in rocm:
+        for info in file.tensors.values():
             check_tensor_bytes(file.path, info, file.raw(info.name))
-        lines.append(f"  scale bytes: {len(rocm)} ROCm tensor(s) checked, all valid")
+            file.release(info.name)
+        lines.append(f"  tensor bytes: {len(file.tensors)} tensor(s) checked: ROCm scale bytes valid, "
+                     "no NaN or inf values or block scales")
     return lines
 
 
@@ -96,5 +97,6 @@ if __name__ == "__main__":
 
     # Defined only when run as a program, so importing this module never clashes with other flag owners.
     flags.DEFINE_string("draft", None, "A drafter GGUF to check against the target.")
-    flags.DEFINE_bool("check_bytes", False, "Also scan every ROCm tensor's scale bytes.")
+    flags.DEFINE_bool("check_bytes", False,
+                      "Also scan every tensor's bytes: ROCm scale bytes, NaN/inf values and block scales.")
     app.run(main)

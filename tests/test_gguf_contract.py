@@ -266,7 +266,9 @@ def test_file_truncated_inside_the_header(base, tmp_path, size):
     assert size < first.offset  # the cut lies in the header, metadata or tensor table
     bad = tmp_path / "cut.gguf"
     bad.write_bytes(Path(good).read_bytes()[:size])
-    assert_names(contract_error(open_target, str(bad)), str(bad), "GGUF header", "truncated or corrupt")
+    msg = contract_error(open_target, str(bad))
+    assert_names(msg, str(bad), "truncated or corrupt")
+    assert any(part in msg for part in ("GGUF header", "metadata key ", "tensor ")), msg  # the part cut
 
 
 def test_missing_file(tmp_path):
@@ -369,7 +371,11 @@ _TP, _DP = TARGET_ARCH + ".", DRAFTER_ARCH + "."
 @pytest.mark.parametrize("kind,key,value,expected", [
     ("target", "expert_used_count", 9, "<= expert_count 8"),
     ("target", "block_count", 0, "> 0"),
-    ("target", "block_count", ("4", GGUFValueType.STRING), "> 0"),
+    ("target", "block_count", ("4", GGUFValueType.STRING), "an integer (UINT32)"),
+    ("target", "block_count", (4.0, GGUFValueType.FLOAT32), "an integer (UINT32)"),
+    ("target", "hyper_connection.sinkhorn_iterations", 2_000_000_000, "at most 1000"),
+    ("target", "rope.freq_base", float("inf"), "a finite number"),
+    ("target", "rope.freq_base", float("nan"), "a finite number"),
     ("target", "attention.layer_norm_rms_epsilon", 0.5, "in (0, 0.01)"),
     ("target", "hash_layer_count", 5, "<= block_count 4"),
     ("target", "rope.dimension_count", 63, "even, > 0"),

@@ -23,6 +23,7 @@ from dsparkjax.config import (
 from dsparkjax.errors import GGUFContractError
 from dsparkjax.formats import FLOAT_TYPES
 from dsparkjax.formats import GGMLType as T
+from dsparkjax.ggufio.finite import find_nonfinite
 from dsparkjax.ggufio.reader import GGUFFile, TensorInfo
 
 _ROCM = frozenset({T.Q4_0_ROCMFP4, T.Q4_0_ROCMFP4_FAST, T.Q6_0_ROCMFPX, T.Q8_0_ROCMFPX, T.Q3_0_ROCMFPX,
@@ -190,26 +191,41 @@ def check_expert_pairs(path: str, tensors: dict[str, TensorInfo], prefixes: Iter
 
 
 def check_tensor_bytes(path: str, info: TensorInfo, raw: np.ndarray) -> None:
-    """Reject ROCmFPX blocks whose scale byte is invalid (> 0x7E), naming the tensor and the first block."""
+    """Reject ROCmFPX blocks whose scale byte is invalid (> 0x7E) and NaN/inf values or block scales, naming
+    the tensor and the first bad block or value."""
     bad = formats.invalid_scale_blocks(raw, info.ggml_type)
     if len(bad):
         raise GGUFContractError(path, f"tensor {info.name}", "ROCm scale bytes in 0x00..0x7E",
                                 f"{len(bad)} block(s) with an invalid scale byte, the first at block {int(bad[0])}")
+    nonfinite = find_nonfinite(raw, info.ggml_type)
+    if nonfinite is not None:
+        raise GGUFContractError(path, f"tensor {info.name}", f"finite {info.type_name} {nonfinite.unit}s",
+                                f"{nonfinite.count} NaN or inf {nonfinite.unit}(s), the first at index "
+                                f"{nonfinite.first}")
 
 
 def open_target(path: str) -> tuple[GGUFFile, TargetConfig]:
-    """Open a target GGUF and check its whole contract (metadata and tensor table; not the bytes)."""
+    """Open a target GGUF and check its whole contract (metadata and tensor table; not the bytes), and that the
+    smallest decode state its window implies fits the memory (MemoryBudgetError otherwise)."""
+    from dsparkjax import footprint  # it reads TensorInfo from this package
+
     file = GGUFFile(path)
     cfg = target_config_from_metadata(file.metadata, file.path)
+    # The smallest state a decode needs: one sequence, one-token steps, float32.
+    footprint.check_state_budget(cfg, 1, cfg.sliding_window, 1, np.float32, file.path)
     check_tensors(file.path, file.tensors, target_tensor_specs(cfg))
     check_expert_pairs(file.path, file.tensors, (f"blk.{i}." for i in range(cfg.num_layers)))
     return file, cfg
 
 
 def open_drafter(path: str, target: TargetConfig | None = None) -> tuple[GGUFFile, DrafterConfig]:
-    """Open a drafter GGUF, check its contract and, given the target's config, their compatibility."""
+    """Open a drafter GGUF, check its contract and, given the target's config, their compatibility, and that its
+    context rings fit the memory (MemoryBudgetError otherwise)."""
+    from dsparkjax import footprint  # it reads TensorInfo from this package
+
     file = GGUFFile(path)
     cfg = drafter_config_from_metadata(file.metadata, file.path)
+    footprint.check_drafter_budget(cfg, file.path)
     tensors = file.tensors
     if "dflash.dspark.confidence.bias" in tensors and "dflash.dspark.confidence.weight" not in tensors:
         raise GGUFContractError(file.path, "tensor dflash.dspark.confidence.bias",

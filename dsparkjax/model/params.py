@@ -10,6 +10,7 @@ computes them (`ds4_arch.md` §6.1).
 from __future__ import annotations
 
 import functools
+import math
 from typing import Callable
 
 import jax
@@ -17,7 +18,8 @@ import jax.numpy as jnp
 from flax import struct
 
 from dsparkjax.config import DrafterConfig, TargetConfig
-from dsparkjax.errors import GGUFContractError
+from dsparkjax import formats
+from dsparkjax.errors import GGUFContractError, UnsupportedTypeError
 from dsparkjax.ggufio.reader import GGUFFile
 from dsparkjax.kernels.packed import dequantize
 from dsparkjax.model.sources import FileSource, TensorSource, packs
@@ -107,7 +109,9 @@ class _TensorReader:
 
     A matrix (a weight multiplied by `linear`/`expert_linear`) stays packed as a PackedWeight when `pack`
     names a kernel backend and the tensor is packed as stored, else it is decoded to the compute dtype on the
-    device. On a ShapeSource every step runs under `jax.eval_shape`: the result holds shapes, not arrays.
+    device. Under a kernel backend a quantized type without a kernel is refused (UnsupportedTypeError with
+    the dense bytes it would take) rather than silently decoded to several times its size. On a ShapeSource
+    every step runs under `jax.eval_shape`: the result holds shapes, not arrays.
     """
 
     def __init__(self, source: TensorSource, dtype: jnp.dtype, pack: str | None):
@@ -168,6 +172,12 @@ class _TensorReader:
         lead = tuple(info.shape[:-2])
         if self.pack is not None and packs(info.ggml_type):
             return (int(info.ggml_type), info.shape[-1], lead), stored
+        if self.pack is not None and formats.block_size(info.ggml_type) > 1:
+            dense = math.prod(info.shape) * self.dtype.itemsize
+            raise UnsupportedTypeError(
+                f"{self.source.path}: tensor {name}: {info.type_name} has no packed kernel, so loading it would "
+                f"decode it dense: {dense / 1e9:.3g} GB in {self.dtype.name} instead of {info.nbytes / 1e9:.3g} GB "
+                f"packed; refused (kernels={self.pack!r})")
         return (None, info.shape[-1], lead), self._dense(name, stored, self.dtype)
 
     def _dense(self, name: str, stored, dtype: jnp.dtype):
