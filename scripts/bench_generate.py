@@ -53,8 +53,7 @@ _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 32, "Tokens per prompt.")
 _ACCEPT = flags.DEFINE_float("acceptance", 0.7, "Oracle proposer: fraction of correct candidates.")
 _WIDTH = flags.DEFINE_string("q", "4", "Verify width for the oracle runs ('adaptive' or 1..6).")
 _REPS = flags.DEFINE_integer("reps", 3, "Timed runs of each configuration (bench_step.py: of each width); the "
-                             "best is reported, with the spread (single runs on the H200 vary by up to 1.6x: "
-                             "generation run 13).")
+                             "best is reported, with the spread (single runs on one GPU vary by up to 1.6x).")
 _OUTPUT = flags.DEFINE_string("output", None, "Write the results as JSON here.")
 
 
