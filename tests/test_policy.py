@@ -45,3 +45,13 @@ def test_the_plugins_read_no_environment():
     assert sources
     readers = [str(p.name) for p in sources if re.search(r"\bgetenv\b|\benviron\b", p.read_text())]
     assert not readers, f"plugin sources that read the environment: {readers}"
+
+
+def test_tuning_comments_link_to_existing_sections():
+    """Every `docs/kernels.md#anchor` the sources cite names a heading of docs/kernels.md (GitHub's anchors)."""
+    headings = re.findall(r"^#+ (.+)$", (ROOT / "docs" / "kernels.md").read_text(), re.MULTILINE)
+    anchors = {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in headings}
+    sources = [*(ROOT / "custom_calls").iterdir(), *(ROOT / "dsparkjax").rglob("*.py")]
+    cited = {a for p in sources if p.is_file() for a in re.findall(r"docs/kernels\.md#([\w-]+)", p.read_text())}
+    assert cited, "no source cites a docs/kernels.md section"
+    assert cited <= anchors, f"links to missing sections: {sorted(cited - anchors)}"

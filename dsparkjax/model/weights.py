@@ -49,7 +49,7 @@ Weight = Union[jax.Array, PackedWeight]
 class RowBlocks:
     """Matrices that multiply the same input, their rows stacked at load into as few weights as their formats
     allow, so that each stacked part is one matmul: one kernel launch and one staging of the activations
-    instead of one per matrix (docs/kernels.md#tuning-dense-copy-thresholds). The packed kernels compute each row in an order of its own, so there a stacked matrix's
+    instead of one per matrix (docs/kernels.md#tuning-stacked-matrices). The packed kernels compute each row in an order of its own, so there a stacked matrix's
     outputs are its own call's bits; XLA's dots (dense weights, the jnp reference, the dense-copy route) may
     round the wider product differently. Exact decoding does not mind: every program multiplies the same
     stacked weights.
