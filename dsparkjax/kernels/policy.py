@@ -25,7 +25,7 @@ MMA_CODES: dict[str, int] = {"off": 0, "auto": 1, "force": 2}
 
 @dataclasses.dataclass(frozen=True)
 class KernelPolicy:
-    """How a step routes its packed matmuls and HC mixes (docs/kernels.md, "Routing").
+    """How a step routes its packed matmuls and HC mixes (thresholds' measurements: docs/kernels.md#tuning-tables).
 
     hc_backend: None computes the HC mixes with the jnp reference (`model/hc.py`), "ffi" with the mHC custom call.
     gemm_min_rows: from this many rows per call, a packed non-expert weight on the "ffi" backend is multiplied
