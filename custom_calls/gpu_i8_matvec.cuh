@@ -473,17 +473,17 @@ __device__ bool expert_is_chosen(const int32_t* ids, int32_t e, int P) {
 }
 
 // MoE: C persistent CTAs, in one of two grids. Slot-major (expert_ctas = 0): the CTAs shared among the P slots
-// (SlotShares), every slot's CTAs serving its expert: with m slots choosing expert e, all their CTAs are e's
-// workers. Expert-major (expert_ctas = m > 0, C = E·m): CTAs e·m .. e·m + m - 1 are expert e's workers, and an
-// expert nobody chose leaves before reading anything; for calls of many more slots than resident CTAs on at most as
-// many experts as resident CTAs, where a slot-major grid launches at least one CTA per slot, each staging all its
-// expert's tokens for a few of its rows. With more experts than that, one CTA per expert leaves an expert chosen by
-// many tokens to one CTA, so those calls stay slot-major (tuning.h, kExpertMajorWaves). Either way the workers' warps take e's groups of R rows grid-stride, each group times every slot
-// choosing e, `slots` (<= NC) slots per pass. Each selected expert's rows are read once per call when no more than
-// `slots` tokens chose it, and the work per CTA is about the same whatever the experts' multiplicities (serving an
-// expert on the CTAs of its first slot alone would leave an expert chosen by two or three tokens to one slot's
-// CTAs while the others' exit at once). An invalid id's output row is zeroed: in the slot-major grid
-// by its slot's CTAs, in the expert-major one by CTA p mod C.
+// (SlotShares), every slot's CTAs serving its expert: with m slots choosing expert e, all their CTAs are e's workers.
+// Expert-major (expert_ctas = m > 0, C = E·m): CTAs e·m .. e·m + m - 1 are expert e's workers, and an expert nobody
+// chose leaves before reading anything; for calls of many more slots than resident CTAs on at most as many experts as
+// resident CTAs, where a slot-major grid launches at least one CTA per slot, each staging all its expert's tokens for
+// a few of its rows. With more experts than that, one CTA per expert leaves an expert chosen by many tokens to one
+// CTA, so those calls stay slot-major (tuning.h, kExpertMajorWaves). Either way the workers' warps take e's groups of
+// R rows grid-stride, each group times every slot choosing e, `slots` (<= NC) slots per pass. Each selected expert's
+// rows are read once per call when no more than `slots` tokens chose it, and the work per CTA is about the same
+// whatever the experts' multiplicities (serving an expert on the CTAs of its first slot alone would leave an expert
+// chosen by two or three tokens to one slot's CTAs while the others' exit at once). An invalid id's output row is
+// zeroed: in the slot-major grid by its slot's CTAs, in the expert-major one by CTA p mod C.
 template <class Fmt, int NC, int R, int W, int S>
 __global__ void __launch_bounds__(W * kLanes, kWarpsPerSm / W)
     qmatmul_id_kernel(Args a, const void* __restrict__ x, bool bf16, const int32_t* __restrict__ ids, int64_t E, int topk,
@@ -765,19 +765,19 @@ bool launch_qmatmul(gpuStream_t stream, const QDims& d, MmaMode mma, const uint8
   return launched;
 }
 
-// Launches the MoE matmul (and grouped projections); false when the call does not fit the integer path.
-// Experts busy at once: at most E distinct ones among the P slots (all P with DS4's 256 experts; the G
-// groups of a grouped projection, which every token uses); the rows per group balance an expert's rows over
-// its share of the device's warps (balanced_rows).
-// Token slots per pass: what an expert's average share of the rows needs, evenly (even_slots). Where experts serve
-// one row each on average (one token's k experts; the per-expert rows of a down projection, T·k rows of one id
-// each), one slot: an expert that several rows chose takes one pass per row, but on as many more CTAs (all its
-// slots' CTAs are its workers), so its work per CTA stays about that of any other expert; room for every row in
-// one pass would compile that call for 8 columns to serve one. Where experts serve several tokens each on average (a grouped projection of T > 1),
-// the dense calls' layout for several tokens: one CTA of kWideWarps per SM (its slots room for twice the tokens,
-// staged once per SM), kSubPerLaneMany sub-blocks per lane, rows per group that cost no extra pass. A grouped projection (groups > 0: ids[p] = p mod groups, as
-// `qmatmul_grouped` builds them) of several tokens per group goes to the tensor-core kernel first, where that
-// takes it (gpu_i8_mma.cuh, tuning.h's kMmaCrossover).
+// Launches the MoE matmul (and grouped projections); false when the call does not fit the integer path. Experts busy
+// at once: at most E distinct ones among the P slots (all P with DS4's 256 experts; the G groups of a grouped
+// projection, which every token uses); the rows per group balance an expert's rows over its share of the device's
+// warps (balanced_rows). Token slots per pass: what an expert's average share of the rows needs, evenly (even_slots).
+// Where experts serve one row each on average (one token's k experts; the per-expert rows of a down projection, T·k
+// rows of one id each), one slot: an expert that several rows chose takes one pass per row, but on as many more CTAs
+// (all its slots' CTAs are its workers), so its work per CTA stays about that of any other expert; room for every row
+// in one pass would compile that call for 8 columns to serve one. Where experts serve several tokens each on average
+// (a grouped projection of T > 1), the dense calls' layout for several tokens: one CTA of kWideWarps per SM (its
+// slots room for twice the tokens, staged once per SM), kSubPerLaneMany sub-blocks per lane, rows per group that cost
+// no extra pass. A grouped projection (groups > 0: ids[p] = p mod groups, as `qmatmul_grouped` builds them) of
+// several tokens per group goes to the tensor-core kernel first, where that takes it (gpu_i8_mma.cuh, tuning.h's
+// kMmaCrossover).
 template <class Fmt>
 bool launch_qmatmul_id(gpuStream_t stream, const QDims& d, MmaMode mma, const uint8_t* w, const void* x, bool bf16,
                        const int32_t* ids, int64_t groups, float* y) {
