@@ -58,9 +58,12 @@ ffi::Error qmatmul_typed(const QDims& d, int32_t ggml_type, const XT* x, const u
   return ffi::Error::Success();
 }
 
-ffi::Error QMatmulCpu(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y, int32_t ggml_type) {
+ffi::Error QMatmulCpu(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y, int32_t ggml_type,
+                      int32_t mma) {
   QDims d;
+  MmaMode mode;
   if (auto e = check_qdims(x, w, ggml_type, false, &d); e.failure()) return e;
+  if (auto e = check_mma(mma, &mode); e.failure()) return e;
   const auto* wp = static_cast<const uint8_t*>(w.untyped_data());
   auto* yp = static_cast<float*>(y->untyped_data());
   if (x.element_type() == ffi::DataType::BF16)
@@ -131,9 +134,11 @@ ffi::Error qmatmul_id_typed(const QDims& d, int32_t ggml_type, const XT* x, cons
 }
 
 ffi::Error QMatmulIdCpu(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer ids, ffi::Result<ffi::AnyBuffer> y,
-                        int32_t ggml_type, int32_t groups) {
+                        int32_t ggml_type, int32_t groups, int32_t mma) {
   QDims d;
+  MmaMode mode;
   if (auto e = check_qdims(x, w, ggml_type, true, &d); e.failure()) return e;
+  if (auto e = check_mma(mma, &mode); e.failure()) return e;
   if (auto e = check_ids(ids, &d); e.failure()) return e;
   if (auto e = check_groups(d, groups); e.failure()) return e;  // the ids say the same: the CPU reads them
   const auto* wp = static_cast<const uint8_t*>(w.untyped_data());
@@ -220,7 +225,7 @@ namespace ffi = xla::ffi;
 DSPARK_EXPORT XLA_FFI_Error* DsparkQMatmulCpu(XLA_FFI_CallFrame*);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DsparkQMatmulCpu, dspark::QMatmulCpu,
                               ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()
-                                  .Attr<int32_t>("ggml_type"));
+                                  .Attr<int32_t>("ggml_type").Attr<int32_t>("mma"));
 
 DSPARK_EXPORT XLA_FFI_Error* DsparkQMatmulI8ModelCpu(XLA_FFI_CallFrame*);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DsparkQMatmulI8ModelCpu, dspark::QMatmulI8ModelCpu,
@@ -230,7 +235,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DsparkQMatmulI8ModelCpu, dspark::QMatmulI8ModelCpu
 DSPARK_EXPORT XLA_FFI_Error* DsparkQMatmulIdCpu(XLA_FFI_CallFrame*);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DsparkQMatmulIdCpu, dspark::QMatmulIdCpu,
                               ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>().Attr<int32_t>("ggml_type").Attr<int32_t>("groups"));
+                                  .Ret<ffi::AnyBuffer>().Attr<int32_t>("ggml_type").Attr<int32_t>("groups")
+                                  .Attr<int32_t>("mma"));
 
 DSPARK_EXPORT XLA_FFI_Error* DsparkHcPreCpu(XLA_FFI_CallFrame*);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DsparkHcPreCpu, dspark::HcPreCpu,

@@ -129,14 +129,32 @@ void visit_float(ffi::DataType t, F&& f) {
   else f(float{});
 }
 
+// The tensor-core mode of a GPU matmul call, the `mma` attribute (dsparkjax/kernels/policy.py, KernelPolicy.mma):
+// kOff leaves every call to the matvec, kAuto takes the calls where tuning.h says the MMA kernel pays, kForce
+// every call of two or more tokens it can serve (how the tests reach it on small shapes). The CPU checks it only.
+enum class MmaMode : int32_t { kOff = 0, kAuto = 1, kForce = 2 };
+
+inline ffi::Error check_mma(int32_t mma, MmaMode* mode) {
+  if (mma < 0 || mma > 2) return arg_error("mma must be 0 (off), 1 (auto) or 2 (force), got " + std::to_string(mma));
+  *mode = static_cast<MmaMode>(mma);
+  return ffi::Error::Success();
+}
+
+// The handlers' calling convention (arguments and attributes); ffi.py refuses a plugin of another one. Bump it
+// whenever a handler's binding changes. 2: the matmuls take the `mma` attribute.
+constexpr int32_t kPluginAbi = 2;
+
 }  // namespace dspark
 
 // What ffi.py reads from a plugin before registering its handlers: the FFI API version the handlers were
-// compiled against (checked against the runtime's) and HC-pre's mix chunk (sizes the workspace).
+// compiled against (checked against the runtime's), the handlers' calling convention (kPluginAbi) and HC-pre's
+// mix chunk (sizes the workspace).
 extern "C" __attribute__((visibility("default"))) int32_t DsparkFfiApiMajor();
 extern "C" __attribute__((visibility("default"))) int32_t DsparkFfiApiMinor();
 extern "C" __attribute__((visibility("default"))) int64_t DsparkHcMixChunk();
+extern "C" __attribute__((visibility("default"))) int32_t DsparkPluginAbi();
 #define DSPARK_DEFINE_PLUGIN_INFO                                       \
   extern "C" int32_t DsparkFfiApiMajor() { return XLA_FFI_API_MAJOR; } \
   extern "C" int32_t DsparkFfiApiMinor() { return XLA_FFI_API_MINOR; } \
-  extern "C" int64_t DsparkHcMixChunk() { return dspark::kHcMixChunk; }
+  extern "C" int64_t DsparkHcMixChunk() { return dspark::kHcMixChunk; } \
+  extern "C" int32_t DsparkPluginAbi() { return dspark::kPluginAbi; }

@@ -21,6 +21,7 @@
 #include <type_traits>
 
 #include "ffi_common.h"
+#include "tuning.h"
 #include "hc_math.h"
 #include "i8_math.h"
 
@@ -87,8 +88,7 @@ __device__ int next_expert_cols(const int32_t* ids, int32_t e, int topk, int P, 
 
 // MoE: whether slot p is the first slot choosing its expert (the CTAs of later slots leave the expert to it).
 // The lanes of each warp compare 32 earlier slots at once: a slot-by-slot loop made every CTA of a repeated slot
-// wait on one dependent load per earlier slot before exiting, work growing as the square of the slots (kernel
-// run 13: 6% of a 384-row expert call with 256 experts, about half the benchmark model's 384-row step).
+// wait on one dependent load per earlier slot before exiting, work growing as the square of the slots.
 __device__ bool first_slot_of_expert(const int32_t* ids, int p) {
   const int lane = threadIdx.x % kLanes;
   const int32_t e = ids[p];
@@ -293,9 +293,10 @@ ffi::Error launch_error() {
 #include "gpu_i8_mma.cuh"     // namespace i8: its tensor-core kernel for several tokens (CUDA)
 
 template <class XT>
-void launch_qmatmul(gpuStream_t stream, const QDims& d, int32_t type, const uint8_t* w, const void* x, float* y) {
+void launch_qmatmul(gpuStream_t stream, const QDims& d, int32_t type, MmaMode mma, const uint8_t* w, const void* x,
+                    float* y) {
   if (i8math::visit_i8_format(type, [&](auto fmt) {
-        return i8::launch_qmatmul<decltype(fmt)>(stream, d, w, x, std::is_same_v<XT, bf16_t>, y);
+        return i8::launch_qmatmul<decltype(fmt)>(stream, d, mma, w, x, std::is_same_v<XT, bf16_t>, y);
       }))
     return;
   const auto* xp = static_cast<const XT*>(x);
@@ -310,22 +311,24 @@ void launch_qmatmul(gpuStream_t stream, const QDims& d, int32_t type, const uint
 }
 
 ffi::Error QMatmulGpu(gpuStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y,
-                      int32_t ggml_type) {
+                      int32_t ggml_type, int32_t mma) {
   QDims d;
+  MmaMode mode;
   if (auto e = check_qdims(x, w, ggml_type, false, &d); e.failure()) return e;
+  if (auto e = check_mma(mma, &mode); e.failure()) return e;
   if (d.T == 0 || d.N == 0) return ffi::Error::Success();
   const auto* wp = static_cast<const uint8_t*>(w.untyped_data());
   auto* yp = static_cast<float*>(y->untyped_data());
-  if (x.element_type() == ffi::DataType::BF16) launch_qmatmul<bf16_t>(stream, d, ggml_type, wp, x.untyped_data(), yp);
-  else launch_qmatmul<float>(stream, d, ggml_type, wp, x.untyped_data(), yp);
+  if (x.element_type() == ffi::DataType::BF16) launch_qmatmul<bf16_t>(stream, d, ggml_type, mode, wp, x.untyped_data(), yp);
+  else launch_qmatmul<float>(stream, d, ggml_type, mode, wp, x.untyped_data(), yp);
   return launch_error();
 }
 
 template <class XT>
-void launch_qmatmul_id(gpuStream_t stream, const QDims& d, int32_t type, const uint8_t* w, const void* x,
+void launch_qmatmul_id(gpuStream_t stream, const QDims& d, int32_t type, MmaMode mma, const uint8_t* w, const void* x,
                        const int32_t* ids, int32_t groups, float* y) {
   if (i8math::visit_i8_format(type, [&](auto fmt) {
-        return i8::launch_qmatmul_id<decltype(fmt)>(stream, d, w, x, std::is_same_v<XT, bf16_t>, ids, groups, y);
+        return i8::launch_qmatmul_id<decltype(fmt)>(stream, d, mma, w, x, std::is_same_v<XT, bf16_t>, ids, groups, y);
       }))
     return;
   const auto* xp = static_cast<const XT*>(x);
@@ -339,9 +342,11 @@ void launch_qmatmul_id(gpuStream_t stream, const QDims& d, int32_t type, const u
 }
 
 ffi::Error QMatmulIdGpu(gpuStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer ids,
-                        ffi::Result<ffi::AnyBuffer> y, int32_t ggml_type, int32_t groups) {
+                        ffi::Result<ffi::AnyBuffer> y, int32_t ggml_type, int32_t groups, int32_t mma) {
   QDims d;
+  MmaMode mode;
   if (auto e = check_qdims(x, w, ggml_type, true, &d); e.failure()) return e;
+  if (auto e = check_mma(mma, &mode); e.failure()) return e;
   if (auto e = check_ids(ids, &d); e.failure()) return e;
   if (auto e = check_groups(d, groups); e.failure()) return e;
   if (d.T * d.k > 65535) return arg_error("qmatmul_id: T*k must be <= 65535");
@@ -350,8 +355,8 @@ ffi::Error QMatmulIdGpu(gpuStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, 
   const auto* ip = static_cast<const int32_t*>(ids.untyped_data());
   auto* yp = static_cast<float*>(y->untyped_data());
   if (x.element_type() == ffi::DataType::BF16)
-    launch_qmatmul_id<bf16_t>(stream, d, ggml_type, wp, x.untyped_data(), ip, groups, yp);
-  else launch_qmatmul_id<float>(stream, d, ggml_type, wp, x.untyped_data(), ip, groups, yp);
+    launch_qmatmul_id<bf16_t>(stream, d, ggml_type, mode, wp, x.untyped_data(), ip, groups, yp);
+  else launch_qmatmul_id<float>(stream, d, ggml_type, mode, wp, x.untyped_data(), ip, groups, yp);
   return launch_error();
 }
 
@@ -403,7 +408,7 @@ void launch_dependent(dim3 grid, gpuStream_t stream, A... args) {
 // grid (M, C, T), C = hc_mix_chunks(F): chunk c's share of token t's mix row m and of its sum of squares,
 //   part[t, c, m] = Σ_{i in chunk c} flat_t[i]·fn[m, i],   part[t, c, M] = Σ_{i in chunk c} flat_t[i]²,
 // which hc_collapse_kernel sums over c in order. Splitting F gives DS4's T = 1 call 24·8 CTAs instead of 24 that
-// each stream a 16384-value row (kernel run 21: 7.9 us); the chunk is a constant, so every token's sums run in
+// each stream a 16384-value row; the chunk is a constant, so every token's sums run in
 // the same order whatever T. Each thread's kHcMixChunk / kHcThreads products are unrolled, their loads in flight
 // together. hc_collapse_kernel may start as soon as every CTA of this kernel has started.
 template <class XT, class FT>
@@ -435,7 +440,7 @@ __global__ void __launch_bounds__(kHcThreads) hc_mix_kernel(const XT* __restrict
 // Token t's gates and Sinkhorn comb into shared memory, one comb element per thread (thread e < n*n holds
 // comb[e / n, e % n]): each half-step reads one buffer and writes the other, so one barrier per half-step
 // orders it. The same per-element functions as the CPU's serial hc_gates, so the bits are the same as a
-// serial run's on this device (run 11: thread 0 alone took 50 us of each of the 1-token step's 12 hc_pre calls).
+// serial run's on this device, without leaving the whole Sinkhorn to one thread.
 // Returns which of the two buffers holds the final comb.
 __device__ __forceinline__ int hc_gates_in_block(const float* mix, const float* base, const float* scale, int n,
                                                  int iters, float eps, float* s_pre, float* s_post,
@@ -469,7 +474,7 @@ void visit_hc_streams(int n, F&& f) {
 // block's d, for N streams.
 // N is a template argument so that the gates' and the Sinkhorn's loops unroll and their index arithmetic folds:
 // with a runtime n, each of the 39 dependent half-steps ran about a hundred instructions on one warp's critical
-// path (generation run 19: 34.8K cycles, 17.5 µs, for a kernel that moves 64 KB). The functions are the CPU's,
+// path (docs/kernels.md#tuning-mhc-kernels). The functions are the CPU's,
 // so the bits are too. Every read from global memory is issued before the gates: this thread's N stream values
 // into registers, and the token's (2 + N)·N + 1 chunk sums (one thread each, summing over the chunks), base
 // logits and three scales into shared memory. It is launched to start while hc_mix_kernel runs
@@ -587,13 +592,14 @@ namespace ffi = xla::ffi;
 DSPARK_EXPORT XLA_FFI_Error* DSPARK_GPU_SYMBOL(DsparkQMatmul)(XLA_FFI_CallFrame*);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DSPARK_GPU_SYMBOL(DsparkQMatmul), dspark::QMatmulGpu,
                               DSPARK_GPU_BIND.Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()
-                                  .Attr<int32_t>("ggml_type"),
+                                  .Attr<int32_t>("ggml_type").Attr<int32_t>("mma"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 DSPARK_EXPORT XLA_FFI_Error* DSPARK_GPU_SYMBOL(DsparkQMatmulId)(XLA_FFI_CallFrame*);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DSPARK_GPU_SYMBOL(DsparkQMatmulId), dspark::QMatmulIdGpu,
                               DSPARK_GPU_BIND.Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>().Attr<int32_t>("ggml_type").Attr<int32_t>("groups"),
+                                  .Ret<ffi::AnyBuffer>().Attr<int32_t>("ggml_type").Attr<int32_t>("groups")
+                                  .Attr<int32_t>("mma"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 DSPARK_EXPORT XLA_FFI_Error* DSPARK_GPU_SYMBOL(DsparkHcPre)(XLA_FFI_CallFrame*);

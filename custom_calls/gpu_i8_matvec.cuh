@@ -35,10 +35,8 @@ using namespace ::dspark::i8math;  // the arithmetic, shared with the CPU plugin
 
 // Warps per SM these kernels are laid out for (launch bounds, token_slots, the rows per group): two CTAs of
 // kWarps, or, for most dense calls and grouped projections of several tokens (the launchers say which), one CTA
-// of kWideWarps, which stages the tokens once per SM instead of twice. A third CTA of 8 warps per SM, where
-// shared memory would allow it, measured slower (run 6: 20-30% on the IQ2_XXS expert shapes; run 7: with
-// smaller IQ2_XXS tables, 19% on grouped_o, its rows no longer split evenly across the warps; run 14: one-token
-// IQ2_XXS expert calls with rings sized for 24 warps, 0-10%).
+// of kWideWarps, which stages the tokens once per SM instead of twice. A third CTA of 8 warps per SM measured
+// slower (docs/kernels.md#tuning-ctas-per-sm-and-token-slots).
 constexpr int kWarpsPerSm = 16;
 constexpr int kWarps = 8, kWideWarps = 16;
 
@@ -86,8 +84,8 @@ struct SlotMajor {
 // index, address and reduction work per lane is paid once per 8 activations); the sub-block's largest
 // magnitude is an integer max over the 4 lanes (on |bits|, so a NaN or inf anywhere wins and gives a NaN
 // scale). Offsets in shared memory are 32-bit (it is at most 228 KB). Every step of the loop runs in every
-// lane, past the last sub-block too (its loads skipped): an early exit from a batch raised the MoE kernel's
-// registers by up to 45 (kernel run 12). With kSums, lanes q = 0 and 2 also store the sum of X over their
+// lane, past the last sub-block too (its loads skipped): an early exit from a batch raises the MoE kernel's
+// register count. With kSums, lanes q = 0 and 2 also store the sum of X over their
 // half of the sub-block (their 8 elements and lane q + 1's). `Layout` says where the limbs and scales go.
 template <class XT, int W, bool kSums, class Layout>
 __device__ __forceinline__ void stage_tokens(const XSource& src, float* scales, int* sums) {
@@ -475,19 +473,17 @@ __device__ bool expert_is_chosen(const int32_t* ids, int32_t e, int P) {
 }
 
 // MoE: C persistent CTAs, in one of two grids. Slot-major (expert_ctas = 0): the CTAs shared among the P slots
-// (SlotShares), every slot's CTAs serving its expert: with m slots choosing expert e, all their CTAs are e's
-// workers. Expert-major (expert_ctas = m > 0, C = E·m): CTAs e·m .. e·m + m - 1 are expert e's workers, and an
-// expert nobody chose leaves before reading anything; for calls of many more slots than resident CTAs on at most as
-// many experts as resident CTAs, where a slot-major grid launches at least one CTA per slot, each staging all its
-// expert's tokens for a few of its rows (generation run 11: 1536 slots on 32 experts at width 6, 48 tokens each;
-// kernel run 17: 116 against 329 us). With more experts than that, one CTA per expert leaves an expert chosen by
-// many tokens to one CTA (kernel run 17: DS4's 256 experts at 64 tokens, 772 against 467 us), so those calls stay
-// slot-major. Either way the workers' warps take e's groups of R rows grid-stride, each group times every slot
-// choosing e, `slots` (<= NC) slots per pass. Each selected expert's rows are read once per call when no more than
-// `slots` tokens chose it, and the work per CTA is about the same whatever the experts' multiplicities (serving an
-// expert on the CTAs of its first slot alone, as before kernel run 14, left an expert chosen by two or three tokens
-// to one slot's CTAs while the others' exited at once). An invalid id's output row is zeroed: in the slot-major grid
-// by its slot's CTAs, in the expert-major one by CTA p mod C.
+// (SlotShares), every slot's CTAs serving its expert: with m slots choosing expert e, all their CTAs are e's workers.
+// Expert-major (expert_ctas = m > 0, C = E·m): CTAs e·m .. e·m + m - 1 are expert e's workers, and an expert nobody
+// chose leaves before reading anything; for calls of many more slots than resident CTAs on at most as many experts as
+// resident CTAs, where a slot-major grid launches at least one CTA per slot, each staging all its expert's tokens for
+// a few of its rows. With more experts than that, one CTA per expert leaves an expert chosen by many tokens to one
+// CTA, so those calls stay slot-major (tuning.h, kExpertMajorWaves). Either way the workers' warps take e's groups of
+// R rows grid-stride, each group times every slot choosing e, `slots` (<= NC) slots per pass. Each selected expert's
+// rows are read once per call when no more than `slots` tokens chose it, and the work per CTA is about the same
+// whatever the experts' multiplicities (serving an expert on the CTAs of its first slot alone would leave an expert
+// chosen by two or three tokens to one slot's CTAs while the others' exit at once). An invalid id's output row is
+// zeroed: in the slot-major grid by its slot's CTAs, in the expert-major one by CTA p mod C.
 template <class Fmt, int NC, int R, int W, int S>
 __global__ void __launch_bounds__(W * kLanes, kWarpsPerSm / W)
     qmatmul_id_kernel(Args a, const void* __restrict__ x, bool bf16, const int32_t* __restrict__ ids, int64_t E, int topk,
@@ -578,22 +574,21 @@ int resident_ctas(int smem) {
   return cached_ctas;
 }
 
-// Rows per group of a one-token dense call: the largest R <= 4 that still gives every resident warp
-// (kWarpsPerSm per SM) two groups of rows. (balanced_rows would take R = 2 for 8192 -> 4096, 9% faster for
-// IQ2_XXS at T = 1, but with half the token slots at K = 8192: 41% slower at T = 64, run 9.)
+// Rows per group of a one-token dense call: the largest R <= kOneTokenMaxRows that still gives every resident
+// warp (kWarpsPerSm per SM) kOneTokenGroupsPerWarp groups of rows (tuning.h).
 inline int pick_rows(int64_t rows_total) {
   const int64_t resident_warps = (int64_t)kWarpsPerSm * sm_count();
-  int R = 4;
-  while (R > 1 && rows_total / R < 2 * resident_warps) R /= 2;
+  int R = tuning::kOneTokenMaxRows;
+  while (R > 1 && rows_total / R < tuning::kOneTokenGroupsPerWarp * resident_warps) R /= 2;
   return R;
 }
 
 // Rows per group for N rows shared by `warps` warps: the largest R <= max_rows whose busiest warp
-// (ceil(ceil(N / R) / warps) * R rows) has at most an eighth more rows than with R = 1. More rows per group
-// share each activation load, which outweighs a slightly longer busiest warp.
+// (ceil(ceil(N / R) / warps) * R rows) has at most 1/kBalanceSlackDivisor more rows than with R = 1 (tuning.h):
+// more rows per group share each activation load, which outweighs a slightly longer busiest warp.
 inline int balanced_rows(int64_t N, int64_t warps, int max_rows) {
   const auto busiest = [&](int64_t R) { return ((N + R - 1) / R + warps - 1) / warps * R; };
-  const int64_t bound = busiest(1) + busiest(1) / 8;
+  const int64_t bound = busiest(1) + busiest(1) / tuning::kBalanceSlackDivisor;
   int best = 1;
   for (int R = 2; R <= max_rows; R *= 2)
     if (busiest(R) <= bound) best = R;
@@ -612,10 +607,8 @@ inline int even_slots(int64_t tokens, int slots) {
 // Rows per group for passes of `tokens` tokens: R (a power of two) halved until its copy rings leave room for
 // at most `extra` passes more than one row per group (`slots_of(R)` slots per pass): more rows per group share
 // each activation load, but a pass costs the weights' decode again. The MoE kernel's passes run one after another
-// on the same CTAs (extra 0); a dense call's token tiles run side by side on a split grid, each CTA staging fewer
-// tokens, so one tile more is cheaper than one row per group (extra 1; kernel run 20: 8192 -> 4096 at T = 5 as
-// two tiles with two rows per group instead of one tile with one, 31.7 -> 27.5 us for Q8_0, 31.2 -> 26.5 for
-// IQ2_XXS).
+// on the same CTAs (tuning::kMoeExtraPasses); a dense call's token tiles run side by side on a split grid, each
+// CTA staging fewer tokens, so one tile more is cheaper than one row per group (tuning::kDenseExtraPasses).
 template <class F>
 int rows_with_room(int R, int64_t tokens, F&& slots_of, int64_t extra) {
   const int64_t one = passes(tokens, slots_of(1));
@@ -648,10 +641,9 @@ inline int copy_width(const uint8_t* w, int64_t row_bytes, int chunk_bytes) {
 // `wanted` (0: not even one token's activations fit, the call takes the float path): as many as still let
 // kWarpsPerSm / W CTAs share an SM (each SM reserves 1 KB per CTA; 1 KB of static shared memory per CTA) when
 // at least one does, else as many as fit one CTA. One CTA of 8 warps per SM cannot hide the latency of this
-// kernel's loop: the MoE kernel at 195 KB per CTA ran at 12.5% occupancy (docs/PERFORMANCE.md, run 4), and dense calls with wide
-// tokens ran up to 1.5x slower with more slots per CTA than with more CTAs per SM each serving fewer tokens
-// (run 6: Q8_0 8192 -> 4096 at T = 8, 83.0 us with 6 slots, 55.4 us with 2; the tiles read the same rows at
-// about the same time, so the weights still come from DRAM about once).
+// kernel's loop, and dense calls with wide tokens are faster with more CTAs per SM each serving fewer tokens
+// than with more slots per CTA: the tiles read the same rows at about the same time, so the weights still come
+// from DRAM about once (docs/kernels.md#tuning-ctas-per-sm-and-token-slots).
 template <class Fmt, int W>
 int token_slots(int64_t K, int64_t wanted, int fixed_smem) {
   const int64_t per_token = x_token_bytes(K, Sub<Fmt>::kSums);
@@ -670,8 +662,7 @@ int64_t ctas_for_rows(int64_t N, int R) {
 
 // Tokens per CTA of W warps a dense call asks for: all T, unless its rows need fewer CTAs than the device
 // holds; then the tokens split into tiles (grid y) that fill it. Attention's 1024 rows take 64 CTAs of 16
-// warps on 132 SMs: at T = 4 two tiles of two tokens (two tiles also ran about 15% faster than one of four
-// with 8-warp CTAs, run 7).
+// warps on 132 SMs: at T = 4 two tiles of two tokens, which beat one tile of four.
 template <int W>
 int64_t tile_tokens(int64_t T, int64_t N, int R) {
   const int64_t tiles = std::clamp<int64_t>(kWarpsPerSm / W * sm_count() / ctas_for_rows<W>(N, R), 1, T);
@@ -701,7 +692,7 @@ constexpr int kRowsWith = NC == 8 && R > 2 ? 2 : R;
 
 // Launches the dense matmul: CTAs of W warps, tiles of `slots` <= NC tokens (grid y), S sub-blocks per lane and
 // chunk. The CTAs that fit on the device at once are shared among the tiles, rounded down so that every
-// launched CTA works (rounding up left a tail wave: attn_a at T = 64 39% slower, run 9), at least one per tile
+// launched CTA works (rounding up leaves a tail wave), at least one per tile
 // and at most one per W row groups.
 template <class Fmt, int NC, int R, int W, int S>
 void launch_tiles(gpuStream_t stream, const QDims& d, const Args& a, int slots, const void* x, bool bf16) {
@@ -725,19 +716,18 @@ Args args_for(const QDims& d, const uint8_t* w, float* y) {
 // Several tokens: the tensor-core kernel (gpu_i8_mma.cuh) where it takes the call, which gives the same bits;
 // else one CTA of kWideWarps per SM, tiles of tokens that fill the device, kSubPerLaneMany
 // sub-blocks per lane and rows per group by balance and room. One CTA of kWideWarps per SM stages the tokens
-// once per SM instead of twice, and has room for twice as many (kernel run 10: 8192 -> 4096 at T = 4 one tile
-// of four tokens instead of two of two, 32.4 -> 29.5 us; attn_a at T = 4 9.8 -> 8.7).
+// once per SM instead of twice, and has room for twice as many.
 // One token per tile (T = 1, or tokens that do not fit two to a CTA): pick_rows, two sub-blocks per lane;
-// 16-warp CTAs too (8192 -> 4096 at T = 1 15.8 -> 14.3 us for Q8_0, 15.6 -> 14.1 for IQ2_XXS), except a T = 1
-// call whose rows need fewer wide CTAs than the device has SMs, which takes two CTAs of kWarps and so spreads
-// its rows over all SMs (attn_a at T = 1 as 64 wide CTAs: 6.0 -> 6.4 us).
+// 16-warp CTAs too, except a T = 1 call whose rows need fewer wide CTAs than the device has SMs, which takes two
+// CTAs of kWarps and so spreads its rows over all SMs (docs/kernels.md#tuning-ctas-per-sm-and-token-slots).
 template <class Fmt>
-bool launch_qmma(gpuStream_t stream, const QDims& d, const uint8_t* w, const void* x, bool bf16, float* y,
+bool launch_qmma(gpuStream_t stream, const QDims& d, MmaMode mma, const uint8_t* w, const void* x, bool bf16, float* y,
                  int64_t groups = 1);
 
 template <class Fmt>
-bool launch_qmatmul(gpuStream_t stream, const QDims& d, const uint8_t* w, const void* x, bool bf16, float* y) {
-  if (d.T > 1 && launch_qmma<Fmt>(stream, d, w, x, bf16, y)) return true;
+bool launch_qmatmul(gpuStream_t stream, const QDims& d, MmaMode mma, const uint8_t* w, const void* x, bool bf16,
+                    float* y) {
+  if (d.T > 1 && launch_qmma<Fmt>(stream, d, mma, w, x, bf16, y)) return true;
   bool launched = false;
   if (d.T > 1) {
     constexpr int S = kSubPerLaneMany<Fmt>;
@@ -746,7 +736,7 @@ bool launch_qmatmul(gpuStream_t stream, const QDims& d, const uint8_t* w, const 
       return token_slots<Fmt, kWideWarps>(d.K, tile_tokens<kWideWarps>(d.T, d.N, R), fixed_smem_bytes<Fmt, kWideWarps, S>(R));
     };
     const int rows =
-        rows_with_room(balanced_rows(d.N, (int64_t)kWarpsPerSm * sm_count(), kMaxRows<Fmt, S>), d.T, slots_of, 1);
+        rows_with_room(balanced_rows(d.N, (int64_t)kWarpsPerSm * sm_count(), kMaxRows<Fmt, S>), d.T, slots_of, tuning::kDenseExtraPasses);
     if (a.copy_bytes > 0) visit_rows<kMaxRows<Fmt, S>>(rows, [&](auto rc) {
       constexpr int kR = decltype(rc)::value;
       const int slots = even_slots(d.T, slots_of(kR));
@@ -775,27 +765,23 @@ bool launch_qmatmul(gpuStream_t stream, const QDims& d, const uint8_t* w, const 
   return launched;
 }
 
-// Launches the MoE matmul (and grouped projections); false when the call does not fit the integer path.
-// Experts busy at once: at most E distinct ones among the P slots (all P with DS4's 256 experts; the G
-// groups of a grouped projection, which every token uses); the rows per group balance an expert's rows over
-// its share of the device's warps (run 9: four rows per group for IQ2_XXS made the 24-expert calls faster).
-// Token slots per pass: what an expert's average share of the rows needs, evenly (even_slots). Where experts serve
-// one row each on average (one token's k experts; the per-expert rows of a down projection, T·k rows of one id
-// each), one slot: an expert that several rows chose takes one pass per row, but on as many more CTAs (all its
-// slots' CTAs are its workers), so its work per CTA stays about that of any other expert. (Room for every row in
-// one pass instead compiled that call for 8 columns and at most two rows per group, to serve one column: DS4's
-// step, generation run 23.) Where experts serve several tokens each on average (a grouped projection of T > 1),
-// the dense calls' layout for several tokens: one CTA of kWideWarps per SM (its slots room for twice the tokens,
-// staged once per SM), kSubPerLaneMany sub-blocks per lane, rows per group that cost no extra pass (kernel run
-// 11: DS4's grouped output projection at T = 4 33.7 -> 24.2 us for Q8_0, 30.3 -> 23.7 for IQ2_XXS, from two
-// passes per group on 8-warp CTAs). A grouped projection (groups > 0: ids[p] = p mod groups, as
-// `qmatmul_grouped` builds them) of several tokens per group goes to the tensor-core kernel first, where that
-// takes it (gpu_i8_mma.cuh; kernel run 20: DS4's at T = 4 21.6 -> 19.0 us for Q8_0, 19.4 -> 16.9 for IQ2_XXS,
-// at T = 6 27.4 -> 20.2 and 25.8 -> 17.9).
+// Launches the MoE matmul (and grouped projections); false when the call does not fit the integer path. Experts busy
+// at once: at most E distinct ones among the P slots (all P with DS4's 256 experts; the G groups of a grouped
+// projection, which every token uses); the rows per group balance an expert's rows over its share of the device's
+// warps (balanced_rows). Token slots per pass: what an expert's average share of the rows needs, evenly (even_slots).
+// Where experts serve one row each on average (one token's k experts; the per-expert rows of a down projection, T·k
+// rows of one id each), one slot: an expert that several rows chose takes one pass per row, but on as many more CTAs
+// (all its slots' CTAs are its workers), so its work per CTA stays about that of any other expert; room for every row
+// in one pass would compile that call for 8 columns to serve one. Where experts serve several tokens each on average
+// (a grouped projection of T > 1), the dense calls' layout for several tokens: one CTA of kWideWarps per SM (its
+// slots room for twice the tokens, staged once per SM), kSubPerLaneMany sub-blocks per lane, rows per group that cost
+// no extra pass. A grouped projection (groups > 0: ids[p] = p mod groups, as `qmatmul_grouped` builds them) of
+// several tokens per group goes to the tensor-core kernel first, where that takes it (gpu_i8_mma.cuh, tuning.h's
+// kMmaCrossover).
 template <class Fmt>
-bool launch_qmatmul_id(gpuStream_t stream, const QDims& d, const uint8_t* w, const void* x, bool bf16,
+bool launch_qmatmul_id(gpuStream_t stream, const QDims& d, MmaMode mma, const uint8_t* w, const void* x, bool bf16,
                        const int32_t* ids, int64_t groups, float* y) {
-  if (groups > 0 && launch_qmma<Fmt>(stream, d, w, x, bf16, y, groups)) return true;
+  if (groups > 0 && launch_qmma<Fmt>(stream, d, mma, w, x, bf16, y, groups)) return true;
   const int P = (int)(d.T * d.k);
   const int busy = (int)std::clamp<int64_t>(d.E, 1, P);  // E = 0: every id invalid, the outputs zeroed
   const int64_t per_expert = std::min<int64_t>(d.T, (P + busy - 1) / busy);
@@ -807,7 +793,7 @@ bool launch_qmatmul_id(gpuStream_t stream, const QDims& d, const uint8_t* w, con
     if (a.copy_bytes == 0) return launched;
     const int64_t warps = std::max<int64_t>(1, (int64_t)kWarpsPerSm * sm_count() / busy);  // per busy expert
     const auto slots_of = [&](int R) { return token_slots<Fmt, W>(d.K, wanted, fixed_smem_bytes<Fmt, W, S>(R)); };
-    visit_rows<kMaxRows<Fmt, S>>(rows_with_room(balanced_rows(d.N, warps, kMaxRows<Fmt, S>), wanted, slots_of, 0), [&](auto rc) {
+    visit_rows<kMaxRows<Fmt, S>>(rows_with_room(balanced_rows(d.N, warps, kMaxRows<Fmt, S>), wanted, slots_of, tuning::kMoeExtraPasses), [&](auto rc) {
       const int room = token_slots<Fmt, W>(d.K, d.T, kFixedSmemBytes<Fmt, decltype(rc)::value, W, S>);
       const int slots = even_slots(wanted, room);
       if (slots < min_slots) return;
@@ -817,9 +803,9 @@ bool launch_qmatmul_id(gpuStream_t stream, const QDims& d, const uint8_t* w, con
           constexpr auto kKernel = qmatmul_id_kernel<Fmt, kNC, kR, W, S>;
           const int smem = launch_smem_bytes<Fmt, kR, W, S>(slots, d.K);
           const int64_t resident = resident_ctas<kKernel, W>(smem), row_ctas = ctas_for_rows<W>(d.N, kR);
-          if (P > 2 * resident && d.E > 0 && d.E <= resident) {
-            // expert-major: about two waves of CTAs over the experts, at most one per W row groups each
-            const int64_t m = std::min<int64_t>(2 * resident / d.E, row_ctas);
+          if (P > tuning::kExpertMajorWaves * resident && d.E > 0 && d.E <= resident) {
+            // expert-major: about kExpertMajorWaves waves of CTAs over the experts, at most one per W row groups each
+            const int64_t m = std::min<int64_t>(tuning::kExpertMajorWaves * resident / d.E, row_ctas);
             kKernel<<<(unsigned)(d.E * m), W * kLanes, smem, stream>>>(a, x, bf16, ids, d.E, (int)d.k, P, slots, (int)m);
           } else {
             // slot-major: every CTA that fits at once, shared among the slots (at least one each, at most one

@@ -31,7 +31,7 @@ namespace i8 {
 
 #if defined(__HIPCC__)
 template <class Fmt>
-bool launch_qmma(gpuStream_t, const QDims&, const uint8_t*, const void*, bool, float*, int64_t) {
+bool launch_qmma(gpuStream_t, const QDims&, MmaMode, const uint8_t*, const void*, bool, float*, int64_t) {
   return false;
 }
 #else
@@ -288,30 +288,12 @@ __global__ void __launch_bounds__(kMmaThreads, 1) qmma_kernel(Args a, const void
   gpu_copy_wait<0>();
 }
 
-// DSPARKJAX_GPU_MMA: "0" leaves every call to the matvec; "force" gives the tensor-core kernel every call of
-// two or more tokens that it can take (the tests use it on small shapes); by default it takes the calls where
-// it measured faster (mma_pays).
-enum class MmaMode { kOff, kAuto, kForce };
-inline MmaMode mma_mode() {
-  static const MmaMode mode = [] {
-    const char* v = std::getenv("DSPARKJAX_GPU_MMA");
-    const std::string s = v ? v : "";
-    return s == "0" ? MmaMode::kOff : s == "force" ? MmaMode::kForce : MmaMode::kAuto;
-  }();
-  return mode;
-}
-
 // Whether the tensor-core kernel beats the matvec on a call of T tokens of K in `tiles` token tiles over
-// `row_tiles` tiles of 32 rows (kernel run 19, Q8_0 and IQ2_XXS, five dense shapes, T = 2..16). Its time is
-// nearly flat in the tokens of a tile (Q8_0 1024 -> 32768: 20.4-21.5 us at T = 2..8) while the matvec's grows
-// with T (15.5 -> 29.2 us), so it pays with at least 4 tokens per token tile: from T = 5 on (T = 6: 1024 -> 32768
-// 20.8 against 25.3 us, 4096 -> 1536 12.5 against 13.9), and at T = 4 where the rows are long and many (8192 ->
-// 4096: 20.8 against 21.5 us for Q8_0, 18.7 against 20.8 for IQ2_XXS; 4096 -> 4096 12.6 against 13.8; but
-// 1024 -> 32768 20.7 against 19.1 and 4096 -> 1536 11.3 against 10.9). Below 48 row tiles its few CTAs lose
-// to the matvec, which spreads the rows over every SM.
+// `row_tiles` tiles of 32 rows (tuning.h, kMmaCrossover).
 inline bool mma_pays(int64_t T, int64_t K, int64_t row_tiles, int64_t tiles) {
-  if (T < 4 * tiles || row_tiles < 48) return false;
-  return T >= 5 || (K >= 4096 && row_tiles >= 64);
+  constexpr tuning::MmaCrossover c = tuning::kMmaCrossover;
+  if (T < c.min_tokens_per_tile * tiles || row_tiles < c.min_row_tiles) return false;
+  return T >= c.any_shape_tokens || (K >= c.long_k && row_tiles >= c.long_row_tiles);
 }
 
 // Launches the tensor-core kernel for a call of T >= 2 tokens: dense (groups = 1: x [T, K], w [N] rows), or a
@@ -321,12 +303,11 @@ inline bool mma_pays(int64_t T, int64_t K, int64_t row_tiles, int64_t tiles) {
 // tiles (grid y) of up to 8 tokens, or 4 where 8 do not fit, split evenly; the SMs split evenly among the
 // (token tile, group) pairs (grid z: groups).
 template <class Fmt>
-bool launch_qmma(gpuStream_t stream, const QDims& d, const uint8_t* w, const void* x, bool bf16, float* y,
-                 int64_t groups) {
+bool launch_qmma(gpuStream_t stream, const QDims& d, MmaMode mode, const uint8_t* w, const void* x, bool bf16,
+                 float* y, int64_t groups) {
   if constexpr (!kHasMma<Fmt>) {
     return false;
   } else {
-    const MmaMode mode = mma_mode();
     const int64_t T = d.T / groups;
     if (T < 2 || mode == MmaMode::kOff || copy_width(w, d.row_bytes, MmaChunk<Fmt>::kBytes) != 16) return false;
     const int64_t row_tiles = (d.N + kMmaRows - 1) / kMmaRows;

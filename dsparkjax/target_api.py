@@ -20,6 +20,7 @@ from dsparkjax.errors import DsparkError, TokenIdError
 from dsparkjax import formats
 from dsparkjax.ggufio.contract import open_target
 from dsparkjax.ggufio.reader import GGUFFile
+from dsparkjax.kernels.policy import KernelPolicy
 from dsparkjax.model.params import TargetParams, load_target_params
 from dsparkjax.model.sources import load_streamed
 from dsparkjax.model.state import commit, init_state
@@ -40,10 +41,12 @@ class Target:
     simulate_qat: bool
     tokenizer: Any  # dsparkjax.tokenizer.Tokenizer, or None when the file has no tokenizer
     kernels: str = "dequantize"  # how matrices run: "dequantize" (dense), "ffi" or "reference" (packed)
+    policy: KernelPolicy = KernelPolicy()  # kernel routing; its HC backend follows `kernels` (options())
 
     def options(self, capture_layers: tuple[int, ...] = ()) -> StepOptions:
-        return StepOptions(simulate_qat=self.simulate_qat, capture_layers=capture_layers,
-                           hc_kernel="ffi" if self.kernels == "ffi" else None)
+        """The static step options: the HC mixes run on the FFI kernel exactly when the matrices do."""
+        policy = dataclasses.replace(self.policy, hc_backend="ffi" if self.kernels == "ffi" else None)
+        return StepOptions(simulate_qat=self.simulate_qat, capture_layers=capture_layers, policy=policy)
 
     def check_tokens(self, tokens: np.ndarray, what: str = "token ids") -> None:
         """Reject ids outside the vocabulary (and so outside the hash-routing tables) before anything runs."""
@@ -55,7 +58,7 @@ class Target:
 
 
 def load_target(path: str, *, dtype: str = "float32", simulate_qat: bool = True, progress: bool = False,
-                kernels: str = "auto") -> Target:
+                kernels: str = "auto", policy: KernelPolicy = KernelPolicy()) -> Target:
     """Open a `deepseek4` GGUF, check its contract, and load its weights in `dtype` ("float32" or "bfloat16").
 
     The weights go from the file's memory map to the device tensor by tensor, with no host copy
@@ -66,6 +69,8 @@ def load_target(path: str, *, dtype: str = "float32", simulate_qat: bool = True,
     and multiplies them with the XLA FFI kernels (and runs the HC mixes there too); "reference" keeps them
     packed for the kernels' pure-jnp reference; "auto" is "ffi" when the plugin is loaded, else "reference",
     for files with quantized weights, and "dequantize" for float files.
+    policy: the kernel routing every step of this target traces under (dense-copy thresholds, the GPU's
+    tensor-core mode; `dsparkjax.kernels.policy`).
     """
     if dtype not in DTYPES:
         raise DsparkError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -81,7 +86,7 @@ def load_target(path: str, *, dtype: str = "float32", simulate_qat: bool = True,
         from dsparkjax.tokenizer import Tokenizer
 
         tokenizer = Tokenizer.from_metadata(file.metadata, file.path)
-    return Target(file.path, cfg, params, DTYPES[dtype], simulate_qat, tokenizer, kernels)
+    return Target(file.path, cfg, params, DTYPES[dtype], simulate_qat, tokenizer, kernels, policy)
 
 
 def _kernel_choice(kernels: str, file: GGUFFile) -> str:

@@ -31,6 +31,7 @@ from absl import app, flags, logging
 from dsparkjax import footprint
 from dsparkjax.config import DrafterConfig, TargetConfig, deepseek_v4_flash, dspark_flash, tiny_drafter, tiny_target
 from dsparkjax.ggufio.writer import RECIPES
+from dsparkjax.kernels.policy import KernelPolicy
 from dsparkjax.spec.generate import Result, generate
 from dsparkjax.spec.oracle import oracle_for
 from dsparkjax.spec.proposer import Drafter, load_drafter
@@ -48,13 +49,19 @@ _KERNELS = flags.DEFINE_enum("kernels", "auto", list(KERNEL_CHOICES),
                              "How the target's matrices run (load_target's `kernels`): with --recipe published, "
                              "'dequantize' runs the same quantized model on dense weights, the A/B for the "
                              "packed kernels.")
+_GEMM_MIN_ROWS = flags.DEFINE_integer("gemm_min_rows", KernelPolicy.gemm_min_rows,
+                                      "KernelPolicy.gemm_min_rows: rows from which a packed non-expert matmul takes "
+                                      "the dense copy (0: the kernels always).")
+_GEMM_MIN_ROWS_LARGE = flags.DEFINE_integer("gemm_min_rows_large", KernelPolicy.gemm_min_rows_large,
+                                            "KernelPolicy.gemm_min_rows_large: the same for weights of 16 MB or more.")
+_MMA = flags.DEFINE_enum("mma", KernelPolicy.mma, ["off", "auto", "force"], "KernelPolicy.mma: the GPU's "
+                         "tensor-core mode.")
 _PROMPTS = flags.DEFINE_integer("prompts", 64, "Number of random prompts (one batch).")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 32, "Tokens per prompt.")
 _ACCEPT = flags.DEFINE_float("acceptance", 0.7, "Oracle proposer: fraction of correct candidates.")
 _WIDTH = flags.DEFINE_string("q", "4", "Verify width for the oracle runs ('adaptive' or 1..6).")
 _REPS = flags.DEFINE_integer("reps", 3, "Timed runs of each configuration (bench_step.py: of each width); the "
-                             "best is reported, with the spread (single runs on the H200 vary by up to 1.6x: "
-                             "generation run 13).")
+                             "best is reported, with the spread (single runs on one GPU vary by up to 1.6x).")
 _OUTPUT = flags.DEFINE_string("output", None, "Write the results as JSON here.")
 
 
@@ -133,7 +140,9 @@ def bench_model() -> tuple[Target, Drafter, list[list[int]]]:
     try:
         target_path, draft_path = write_tiny_pair(folder, recipe=_RECIPE.value, target_cfg=tcfg, drafter_cfg=dcfg,
                                                   tokenizer=None, random_blocks=_CONFIG.value == "ds4")
-        target = load_target(target_path, dtype=_DTYPE.value, kernels=_KERNELS.value)
+        policy = KernelPolicy(gemm_min_rows=_GEMM_MIN_ROWS.value, gemm_min_rows_large=_GEMM_MIN_ROWS_LARGE.value,
+                              mma=_MMA.value)
+        target = load_target(target_path, dtype=_DTYPE.value, kernels=_KERNELS.value, policy=policy)
         drafter = load_drafter(draft_path, target)
     finally:
         shutil.rmtree(folder, ignore_errors=True)

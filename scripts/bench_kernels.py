@@ -13,7 +13,8 @@ calls (XLA runs them as one command buffer): the slope is a stream's cost per ca
 duration; `profile_kernel.py` tabulates each kernel alone under Nsight Compute.
 Prints a table; --json_out writes the rows. With --dense_copy the dense and grouped shapes run the model's
 route for calls of many rows instead (`dsparkjax.model.weights`: the weight dequantized in the graph to
-bfloat16, then XLA's GEMM), which sets GEMM_MIN_ROWS: compare it with the kernel at the same --t_rows.
+bfloat16, then XLA's GEMM), which sets KernelPolicy.gemm_min_rows: compare it with the kernel at the same --t_rows.
+--mma picks the GPU's tensor-core mode (off: the matvec, force: the tensor-core kernel wherever it can run).
 
   python scripts/bench_kernels.py --formats=Q8_0,IQ2_XXS --t_max=5 --json_out=/tmp/bench.json
   python scripts/bench_kernels.py --formats=Q8_0 --shapes=attn_a,dense_8k --t_rows=16,64,384 --dense_copy
@@ -52,6 +53,7 @@ flags.DEFINE_integer("rotate_mib", 256, "dense shapes rotate over weight copies 
 flags.DEFINE_integer("reps", 20, "timed repetitions of each program (the fastest is used)")
 flags.DEFINE_integer("copy_mib", 1024, "buffer size of the copy-bandwidth probe")
 flags.DEFINE_enum("backend", "ffi", ["ffi", "reference"], "kernel backend")
+flags.DEFINE_enum("mma", "auto", ["off", "auto", "force"], "the GPU's tensor-core mode (KernelPolicy.mma)")
 flags.DEFINE_string("json_out", None, "write the result rows to this JSON file")
 
 class Shape(NamedTuple):
@@ -124,8 +126,8 @@ def call_kernel(name: str, t: GGMLType, x: jax.Array, w: jax.Array, ids: jax.Arr
         dense = model_weights.dense_copy(packed)
         return model_weights.linear(x if groups > 1 else x[:, 0], dense, groups=groups if groups > 1 else None)
     if groups > 1:
-        return kernels.qmatmul_grouped(x, w, t, backend=backend)
-    return kernels.qmatmul(x[:, 0], w[0], t, backend=backend)
+        return kernels.qmatmul_grouped(x, w, t, backend=backend, mma=FLAGS.mma)
+    return kernels.qmatmul(x[:, 0], w[0], t, backend=backend, mma=FLAGS.mma)
 
 
 def weight_bytes(w: jax.Array, ids: np.ndarray | None) -> int:
@@ -141,7 +143,7 @@ def bench_shape(t: GGMLType, name: str, t_values: list[int]) -> list[dict]:
     one = synthetic.random_packed(key, t, weight_rows(name), SHAPES[name].k)
     # Dense and grouped shapes rotate through weights so that L2 holds none between calls; through the dense
     # copy every call needs its own, since XLA dequantizes each distinct weight once per program and merges
-    # the GEMMs that share one (kernel run 11: 8 weights shared by 32 calls timed below the bandwidth floor).
+    # the GEMMs that share one (shared weights time below the bandwidth floor).
     if experts:
         copies = 1
     elif FLAGS.dense_copy:

@@ -26,6 +26,9 @@ FIELDS = {
     "meta.commit": "git commit of the checkout that ran (HEAD, '+dirty' with uncommitted changes)",
     "meta.date_utc": "when the run started, ISO 8601 UTC",
     "meta.command": "the command line",
+    "meta.source": "present only in results transcribed from the run log (docs/perf_log/) rather than written by "
+                   "bench.py: the log entry and run id the numbers come from",
+    "meta.notes": "present only with meta.source: how the log's measurement maps onto these fields",
     "meta.device": "the JAX device kind (e.g. 'NVIDIA H200')",
     "meta.platform": "JAX's default backend: gpu or cpu",
     "meta.jax": "jax version",
@@ -108,6 +111,9 @@ FIELDS = {
     "batched.*.position": "tokens each sequence's state holds when the run starts",
     "batched.*.capacity": "tokens each sequence's state can hold",
 }
+
+# Fields a bench.py run writes only in some cases (a failed child) or never (results transcribed from the log).
+OPTIONAL_FIELDS = ("errors", "meta.source", "meta.notes")
 
 READ_MODEL = ("every weight of the target once per token, but the embedding table (one row) and the routed "
               "experts not selected: n_active_experts of n_routed_experts per layer (gate, up and down of each); "

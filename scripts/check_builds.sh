@@ -34,6 +34,7 @@ if [[ "${SKIP_CUDA:-0}" != 1 ]] && command -v "${NVCC:-nvcc}" >/dev/null 2>&1; t
   echo "== bazel: CUDA plugin (nvcc genrule)"
   bazel build //custom_calls:libdspark_cuda_ffi.so
   nm -D "$bin/libdspark_cuda_ffi.so" | grep DsparkQMatmulCuda >/dev/null
+  nm -D "$bin/libdspark_cuda_ffi.so" | grep DsparkPluginAbi >/dev/null  # ffi.py refuses a plugin without it
 else
   echo "== skipping the CUDA plugin (no nvcc or SKIP_CUDA=1)"
 fi

@@ -12,8 +12,8 @@
 # and 8, and generation at batch 1), `step` (the compiled generation step alone, widths 1 and 6, with its trace: where a step's
 # device time goes), `hc` (the mHC custom calls' time per call, outputs saved for comparing builds), `durations` (every kernel benchmark call's kernel time alone, under Nsight Compute),
 # `profile` (one call of each of two kernels in depth, with each pipe's utilisation), `routes` (the packed
-# kernel against the model's dense copy on XLA's GEMM at small and large row counts: what sets GEMM_MIN_ROWS in
-# model/weights.py) and `q4k` (the Q4_K GPU tests alone, then Q4_K against Q2_K and IQ2_XXS at DS4's expert
+# kernel against the model's dense copy on XLA's GEMM at small and large row counts: what sets
+# KernelPolicy.gemm_min_rows), `policy` (the tensor-core mode's FFI attribute, off/auto/force, on the GPU) and `q4k` (the Q4_K GPU tests alone, then Q4_K against Q2_K and IQ2_XXS at DS4's expert
 # shapes, T = 1, 2, 4, 8; its time is not measured yet, the kernels section's size).
 set -uo pipefail
 SECTIONS="${*:-tests kernels generate}"
@@ -25,6 +25,11 @@ if want tests; then
 echo "== GPU kernels and packed model"
 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_packed_model.py -k "gpu or packed" \
   > "$OUT/tests.log" 2>&1; tail -3 "$OUT/tests.log"
+fi
+if want policy; then  # about a minute: the part of `tests` that checks the `mma` FFI attribute
+echo "== kernel policy: the tensor-core mode as an FFI attribute (off, auto, force give the CPU model's bits)"
+python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_packed_model.py \
+  -k "several_tokens or mma_mode or two_kernel_policies" > "$OUT/policy.log" 2>&1; tail -3 "$OUT/policy.log"
 fi
 if want q4k; then
 echo "== Q4_K: GPU tests, then the kernel benchmark at DS4's expert shapes"

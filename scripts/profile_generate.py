@@ -7,7 +7,7 @@ speculative decoding with the benchmark's random DSpark drafter) once to compile
 `jax.profiler.trace`, and prints for each device plane of the trace (read back with
 `jax.profiler.ProfileData`) the events, the time they were busy against the span they cover, and the
 most expensive kernels by total time with their counts. A step that launches many small kernels shows as
-a device busy for a small fraction of its span (docs/PERFORMANCE.md, generation run 4). The model flags are
+a device busy for a small fraction of its span. The model flags are
 bench_generate.py's (`--config`, `--dtype`, `--recipe`, `--prompts`, `--max_new_tokens`).
 """
 

@@ -9,11 +9,7 @@ from __future__ import annotations
 
 import _ctypes
 import functools
-import os
-import re
 import shutil
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dsparkjax import formats, kernels, timing
-from dsparkjax.errors import FormatError, UnsupportedTypeError
+from dsparkjax.errors import DsparkError, FormatError, UnsupportedTypeError
 from dsparkjax.formats import GGMLType, block_size, type_size
 from dsparkjax.kernels import synthetic
 from dsparkjax.model import hc as hc_ref
@@ -91,9 +87,9 @@ def _put(dev: jax.Device, *arrays: np.ndarray):
 
 
 # Jitted entry points: one compile per shape instead of op-by-op dispatch of the jnp reference.
-@functools.partial(jax.jit, static_argnames=("ggml_type", "backend"))
-def _qmatmul(x, w, ggml_type, backend):
-    return kernels.qmatmul(x, w, ggml_type, backend=backend)
+@functools.partial(jax.jit, static_argnames=("ggml_type", "backend", "mma"))
+def _qmatmul(x, w, ggml_type, backend, mma="auto"):
+    return kernels.qmatmul(x, w, ggml_type, backend=backend, mma=mma)
 
 
 @functools.partial(jax.jit, static_argnames=("ggml_type", "backend"))
@@ -265,11 +261,12 @@ def test_qmatmul_id_refuses_groups_its_ids_cannot_be(device):
     for rows, per_row, groups in ((6, 1, 2), (6, 2, 3), (4, 1, 3), (6, 1, -1)):
         ids = (np.arange(rows * per_row).reshape(rows, per_row) % 3).astype(np.int32)
         with pytest.raises(jax.errors.JaxRuntimeError, match=f"groups = {groups} needs E = groups"):
-            kernels.ffi.qmatmul_id(*_put(device, x[:rows], w, ids), int(GGMLType.Q8_0), groups).block_until_ready()
+            kernels.ffi.qmatmul_id(*_put(device, x[:rows], w, ids), int(GGMLType.Q8_0), groups, 1
+                                   ).block_until_ready()
     ids = (np.arange(6) % 3).astype(np.int32)[:, None]
-    got = kernels.ffi.qmatmul_id(*_put(device, x, w, ids), int(GGMLType.Q8_0), 3)
+    got = kernels.ffi.qmatmul_id(*_put(device, x, w, ids), int(GGMLType.Q8_0), 3, 1)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(kernels.ffi.qmatmul_id(*_put(device, x, w, ids),
-                                                                                     int(GGMLType.Q8_0))))
+                                                                                     int(GGMLType.Q8_0), 0, 1)))
 
 
 @pytest.mark.parametrize("ggml_type", INT_PATH_TYPES, ids=lambda t: t.name)
@@ -460,16 +457,17 @@ def test_gpu_integer_path_equals_its_model(gpu_device, cpu_device, ggml_type, n,
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mma", ["auto", "force"])
 @pytest.mark.parametrize("ggml_type, n, k", [
     (GGMLType.Q8_0, 37, 256), (GGMLType.Q8_0, 300, 1280), (GGMLType.Q8_0, 1059, 4096), (GGMLType.Q8_0, 33, 8192),
     (GGMLType.IQ2_XXS, 37, 2048), (GGMLType.IQ2_XXS, 300, 6144), (GGMLType.IQ2_XXS, 1059, 4096),
     (GGMLType.IQ2_XXS, 33, 8192),
 ], ids=lambda v: v.name if isinstance(v, GGMLType) else str(v))
-def test_gpu_dense_calls_of_several_tokens_equal_the_model(gpu_device, cpu_device, ggml_type, n, k):
+def test_gpu_dense_calls_of_several_tokens_equal_the_model(gpu_device, cpu_device, ggml_type, n, k, mma):
     """Dense calls of 2-8, 12 and 17 tokens (one to three token tiles), float32 and bfloat16, give the CPU model's
     bits: rows past a tile's end, K below, at and past one chunk, K = 8192 (where 8 tokens do not fit one tile).
-    The default routes take the matvec for all of these shapes (fewer than 48 tiles of 32 rows, mma_pays); under
-    DSPARKJAX_GPU_MMA=force (the next test) every one of them runs on the tensor-core kernel."""
+    mma="auto" takes the matvec for all of these shapes (fewer than 48 tiles of 32 rows, tuning.h); "force" (the
+    `mma` FFI attribute) runs every one of them on the tensor-core kernel."""
     rng = np.random.default_rng(12)
     w = random_packed(rng, ggml_type, (n,), k)
     wd, wc = jax.device_put(w, gpu_device), jax.device_put(w, cpu_device)
@@ -477,45 +475,30 @@ def test_gpu_dense_calls_of_several_tokens_equal_the_model(gpu_device, cpu_devic
         x = np.asarray(jnp.asarray(rng.standard_normal((17, k)), dtype))
         model = np.asarray(_i8_model(jax.device_put(x, cpu_device), wc, int(ggml_type)))
         for t_rows in (2, 3, 4, 5, 8, 12, 17):
-            got = np.asarray(_qmatmul(jax.device_put(x[:t_rows], gpu_device), wd, ggml_type, "ffi"))
+            got = np.asarray(_qmatmul(jax.device_put(x[:t_rows], gpu_device), wd, ggml_type, "ffi", mma))
             np.testing.assert_array_equal(got, model[:t_rows], err_msg=f"{dtype.__name__}, T = {t_rows}")
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mma", ["off", "auto", "force"])
 @pytest.mark.parametrize("ggml_type, groups, n, k", [
     (GGMLType.Q8_0, 3, 37, 256), (GGMLType.Q8_0, 2, 300, 4096), (GGMLType.Q8_0, 8, 256, 4096),
     (GGMLType.IQ2_XXS, 3, 37, 2048), (GGMLType.IQ2_XXS, 2, 100, 8192), (GGMLType.IQ2_XXS, 8, 256, 4096),
 ], ids=lambda v: v.name if isinstance(v, GGMLType) else str(v))
-def test_gpu_grouped_calls_of_several_tokens_equal_the_model(gpu_device, cpu_device, ggml_type, groups, n, k):
+def test_gpu_grouped_calls_of_several_tokens_equal_the_model(gpu_device, cpu_device, ggml_type, groups, n, k, mma):
     """Grouped projections of 2-8, 12 and 17 tokens, each group its own activations, give the CPU model's bits
     for every (token, group). 8 groups of 256 rows at K = 4096 (64 tiles of 32 rows) take the tensor-core kernel
-    by default from T = 4 (mma_pays), the other shapes the MoE kernel; forced (the next test), all of them."""
+    under mma="auto" from T = 4 (tuning.h), the other shapes the MoE kernel; under "force", all of them; under "off", none."""
     rng = np.random.default_rng(14)
     w = random_packed(rng, ggml_type, (groups, n), k)
     wd = jax.device_put(w, gpu_device)
     x = rng.standard_normal((17, groups, k)).astype(np.float32)
     model = [np.asarray(_i8_model(*_put(cpu_device, x[:, g], w[g]), int(ggml_type))) for g in range(groups)]
     for t_rows in (2, 3, 4, 5, 8, 12, 17):
-        got = np.asarray(kernels.qmatmul_grouped(jax.device_put(x[:t_rows], gpu_device), wd, ggml_type, backend="ffi"))
+        got = np.asarray(kernels.qmatmul_grouped(jax.device_put(x[:t_rows], gpu_device), wd, ggml_type, backend="ffi",
+                                                 mma=mma))
         for g in range(groups):
             np.testing.assert_array_equal(got[:, g], model[g][:t_rows], err_msg=f"T = {t_rows}, group {g}")
-
-
-@pytest.mark.gpu
-@pytest.mark.usefixtures("gpu_device")
-def test_gpu_tensor_core_kernel_equals_the_model_in_every_geometry():
-    """The two tests above in a pytest subprocess with DSPARKJAX_GPU_MMA=force (read once per process): each of
-    their shapes and widths on the tensor-core kernel (gpu_i8_mma.cuh) gives the CPU model's bits. The run must
-    end in "N passed" (warnings allowed): a skipped, failed or deselected case fails this test."""
-    if os.environ.get("DSPARKJAX_GPU_MMA") == "force":
-        pytest.skip("this process is the forced run")
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-         f"{__file__}::test_gpu_dense_calls_of_several_tokens_equal_the_model",
-         f"{__file__}::test_gpu_grouped_calls_of_several_tokens_equal_the_model"],
-        env=dict(os.environ, DSPARKJAX_GPU_MMA="force"), capture_output=True, text=True, timeout=900)
-    passed_alone = re.search(r"^\d+ passed(, \d+ warnings?)? in ", run.stdout, re.MULTILINE)
-    assert run.returncode == 0 and passed_alone, run.stdout[-4000:] + run.stderr[-4000:]
 
 
 @pytest.mark.gpu
@@ -663,8 +646,30 @@ def test_foreign_or_stale_plugin_message(monkeypatch, tmp_path):
     sources) is refused with a PluginError that names it, not an AttributeError from ctypes."""
     shutil.copy(_ctypes.__file__, tmp_path / "libdspark_cpu_ffi.so")  # a shared library, not ours
     monkeypatch.setenv("DSPARKJAX_LIB_DIR", str(tmp_path))
-    with pytest.raises(kernels.PluginError, match="has no symbol DsparkFfiApiMajor"):
+    with pytest.raises(kernels.PluginError, match="exports no DsparkPluginAbi"):
         kernels.ffi._load("cpu")
+
+
+def test_plugin_of_another_abi_is_refused(tmp_path):
+    """A plugin whose handlers take other attributes than ffi.py passes (an older build) is refused by name."""
+    kernels.ffi.check_plugin_abi(tmp_path, kernels.ffi.PLUGIN_ABI)
+    with pytest.raises(kernels.PluginError, match=f"speaks plugin ABI 1 but this dsparkjax speaks {kernels.ffi.PLUGIN_ABI}"):
+        kernels.ffi.check_plugin_abi(tmp_path, 1)
+
+
+def test_mma_mode_is_checked(cpu_device):
+    """The tensor-core mode is one of off/auto/force: checked by name in Python and by code in the plugin."""
+    x, w = _put(cpu_device, np.ones((2, 32), np.float32), random_packed(np.random.default_rng(0), GGMLType.Q8_0,
+                                                                        (2,), 32))
+    with pytest.raises(DsparkError, match="mma must be one of"):
+        kernels.qmatmul(x, w, GGMLType.Q8_0, backend="ffi", mma="fast")
+    with pytest.raises(jax.errors.JaxRuntimeError, match="mma must be 0"):
+        kernels.ffi.qmatmul(x, w, int(GGMLType.Q8_0), 3).block_until_ready()
+    with pytest.raises(DsparkError, match="KernelPolicy.mma"):
+        kernels.KernelPolicy(mma="fast")
+    same = [np.asarray(kernels.qmatmul(x, w, GGMLType.Q8_0, backend="ffi", mma=m)) for m in ("off", "auto", "force")]
+    np.testing.assert_array_equal(same[0], same[1])
+    np.testing.assert_array_equal(same[0], same[2])
 
 
 def test_plugin_ffi_api_not_newer_than_runtime():

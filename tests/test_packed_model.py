@@ -8,6 +8,7 @@ decoding on packed weights too.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import tempfile
 
@@ -21,13 +22,17 @@ from dsparkjax.errors import DsparkError
 from dsparkjax.formats import GGMLType
 from dsparkjax.ggufio.contract import target_tensor_specs
 from dsparkjax.ggufio.writer import RawTensor, write_model_gguf
+from dsparkjax.kernels import policy as kernel_policy
 from dsparkjax.kernels import synthetic
+from dsparkjax.kernels.policy import KernelPolicy
 from dsparkjax.model import weights
 from dsparkjax.model.weights import PackedWeight
 from dsparkjax.spec import generate as generate_module
 from dsparkjax.spec.generate import generate
 from dsparkjax.spec.oracle import oracle_for
 from dsparkjax.spec.proposer import load_drafter
+from dsparkjax import target_api
+from dsparkjax.model.state import init_state
 from dsparkjax.target_api import forward, load_target
 from dsparkjax.tiny import random_params, write_tiny_pair
 from model_helpers import recipe_configs
@@ -105,7 +110,23 @@ def test_generation_compiles_the_targets_own_step(monkeypatch):
                         lambda cfg, options: seen.append(options) or compiled_step(cfg, options))
     generate(target, [[3, 4, 5]], drafter=drafter, mode="ar", max_new_tokens=2, stop_tokens=())
     assert seen == [target.options(drafter.capture_layers)]
-    assert seen[0].hc_kernel == "ffi"
+    assert seen[0].policy.hc_backend == "ffi"
+
+
+@needs_plugin
+def test_two_kernel_policies_compile_two_programs():
+    """The kernel policy is part of the step's jit key: a target whose policy takes the dense copy from one row
+    gets its own program, in which the packed non-expert matmuls are no longer FFI calls."""
+    target_path, _ = rocmfpx_pair()
+    kernel_target = load_target(target_path, kernels="ffi", simulate_qat=False)
+    copy_target = dataclasses.replace(kernel_target, policy=KernelPolicy(gemm_min_rows=1))
+    assert kernel_target.options() != copy_target.options()
+    steps = [target_api.compiled_step(t.config, t.options()) for t in (kernel_target, copy_target)]
+    assert steps[0] is not steps[1]
+    state = init_state(kernel_target.config, 1, 8, 2, kernel_target.dtype)
+    tokens = jax.ShapeDtypeStruct((1, 2), jnp.int32)
+    calls = [step.compile(kernel_target.params, state, tokens).as_text().count('"dspark_qmatmul"') for step in steps]
+    assert calls[0] > 0 and calls[1] == 0, calls
 
 
 @needs_plugin
@@ -127,21 +148,24 @@ def test_exact_spec_equals_greedy_on_packed_ffi_weights():
 @needs_plugin
 @pytest.mark.parametrize("groups", [None, 4], ids=["dense", "grouped"])
 @pytest.mark.parametrize("rule", ["rows", "large_weight"])
-def test_many_rows_multiply_a_dense_copy(monkeypatch, groups, rule):
-    """From GEMM_MIN_ROWS rows on (or GEMM_MIN_ROWS_LARGE for a weight of LARGE_WEIGHT_BYTES), a packed
-    non-expert matmul on the "ffi" backend multiplies the weight's dense copy (the numbers of
+def test_many_rows_multiply_a_dense_copy(groups, rule):
+    """From the policy's gemm_min_rows rows on (or gemm_min_rows_large for a weight of large_weight_bytes), a
+    packed non-expert matmul on the "ffi" backend multiplies the weight's dense copy (the numbers of
     kernels="dequantize", bit for bit); below, the packed kernel."""
     ggml_type, n, k = int(GGMLType.Q8_0), 48, 128
     data = synthetic.random_packed(jax.random.key(0), ggml_type, (n,), k)
     if rule == "rows":
-        monkeypatch.setattr(weights, "GEMM_MIN_ROWS", 6)
+        policy = KernelPolicy(gemm_min_rows=6)
     else:
-        monkeypatch.setattr(weights, "GEMM_MIN_ROWS", 1000)
-        monkeypatch.setattr(weights, "GEMM_MIN_ROWS_LARGE", 6)
-        monkeypatch.setattr(weights, "LARGE_WEIGHT_BYTES", data.size)
+        policy = KernelPolicy(gemm_min_rows=1000, gemm_min_rows_large=6, large_weight_bytes=data.size)
     packed = PackedWeight(data, ggml_type, k, jnp.dtype(jnp.bfloat16), "ffi")
     dense = kernels.dequantize(data, ggml_type, k).astype(jnp.bfloat16)
-    linear = jax.jit(functools.partial(weights.linear, groups=groups))
+
+    @jax.jit
+    def linear(x, w):
+        with kernel_policy.use(policy):
+            return weights.linear(x, w, groups=groups)
+
     for rows in (5, 6, 9):
         shape = (rows, k) if groups is None else (rows, groups, k)
         x = jax.random.normal(jax.random.key(rows), shape, jnp.bfloat16)

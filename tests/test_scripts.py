@@ -219,7 +219,7 @@ def test_bench_tiny_writes_every_documented_field(tmp_path):
     documented (in the JSON and in docs/bench.md) and every documented field is there; exact speculative
     decoding reproduces plain decoding at every acceptance rate, and the warm start wrote no compiled program."""
     sys.path.insert(0, str(SCRIPTS))
-    from bench_results import FIELDS, errors
+    from bench_results import FIELDS, OPTIONAL_FIELDS, errors
 
     out = tmp_path / "bench.json"
     env = {**os.environ, "DSPARKJAX_CACHE": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1",
@@ -231,7 +231,7 @@ def test_bench_tiny_writes_every_documented_field(tmp_path):
     assert not errors(results), errors(results)
     leaves = _leaf_paths(results)
     assert [p for p in leaves if not any(_matches(f, p) for f in FIELDS)] == []
-    assert [f for f in FIELDS if f != "errors" and not any(_matches(f, p) for p in leaves)] == []
+    assert [f for f in FIELDS if f not in OPTIONAL_FIELDS and not any(_matches(f, p) for p in leaves)] == []
     assert results["fields"] == FIELDS
     docs = (SCRIPTS.parent / "docs" / "bench.md").read_text()
     assert [f for f in FIELDS if f"`{f}`" not in docs] == []
@@ -271,3 +271,17 @@ def test_bench_load_tiny_loads_the_sparse_pair_and_generates(tmp_path):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__]))
+
+
+def test_performance_md_opens_with_the_perf_table_scripts_output(tmp_path):
+    """docs/PERFORMANCE.md's table is scripts/perf_table.py's output from docs/bench/*.json (regenerate it with
+    `python scripts/perf_table.py --write`); a results file of another schema is refused by name."""
+    sys.path.insert(0, str(SCRIPTS))
+    import perf_table
+
+    text = perf_table.PERFORMANCE.read_text()
+    assert perf_table.current_block(text) == perf_table.block(), "run: python scripts/perf_table.py --write"
+    assert len(perf_table.table().splitlines()) == 2 + len(list(perf_table.BENCH_DIR.glob("*.json")))
+    (tmp_path / "old.json").write_text(json.dumps({"schema": "dsparkjax.bench/0", "meta": {}}))
+    with pytest.raises(SystemExit, match="old.json: schema"):
+        perf_table.table(tmp_path)

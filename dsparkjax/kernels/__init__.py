@@ -21,9 +21,11 @@ from dsparkjax.errors import DsparkError
 from dsparkjax.kernels import ffi, reference
 from dsparkjax.kernels.ffi import PluginError
 from dsparkjax.kernels.packed import KERNEL_TYPES, check_row_bytes, dequantize
+from dsparkjax.kernels.policy import MMA_CODES, KernelPolicy, MmaMode
 
 __all__ = [
     "KERNEL_TYPES",
+    "KernelPolicy",
     "PluginError",
     "default_backend",
     "dequantize",
@@ -56,14 +58,26 @@ def _check_2d(name: str, a: jax.Array) -> None:
         raise DsparkError(f"{name} must be 2-D [T, ...], got shape {a.shape}")
 
 
-def qmatmul(x: jax.Array, w_packed: jax.Array, ggml_type: int, *, backend: str | None = None) -> jax.Array:
-    """`y = x · Wᵀ` with W packed: x float32|bfloat16 `[T, K]`, w_packed uint8 `[N, row_bytes]` -> f32 `[T, N]`."""
+def _mma_code(mma: MmaMode) -> int:
+    if mma not in MMA_CODES:
+        raise DsparkError(f"mma must be one of {sorted(MMA_CODES)}, got {mma!r}")
+    return MMA_CODES[mma]
+
+
+def qmatmul(x: jax.Array, w_packed: jax.Array, ggml_type: int, *, backend: str | None = None,
+            mma: MmaMode = "auto") -> jax.Array:
+    """`y = x · Wᵀ` with W packed: x float32|bfloat16 `[T, K]`, w_packed uint8 `[N, row_bytes]` -> f32 `[T, N]`.
+
+    `mma` is the GPU's tensor-core mode for this call (`KernelPolicy.mma`); every mode gives the same bits.
+    """
     _check_2d("x", x)
     if w_packed.ndim != 2:
         raise DsparkError(f"w_packed must be uint8 [N, row_bytes], got shape {w_packed.shape}")
     check_row_bytes(ggml_type, x.shape[1], w_packed.shape[1])
-    impl = ffi if _use_ffi(backend) else reference
-    return impl.qmatmul(x, w_packed, int(ggml_type))
+    code = _mma_code(mma)
+    if _use_ffi(backend):
+        return ffi.qmatmul(x, w_packed, int(ggml_type), code)
+    return reference.qmatmul(x, w_packed, int(ggml_type))
 
 
 def qmatmul_id(
@@ -74,11 +88,12 @@ def qmatmul_id(
     x float32|bfloat16 `[T, K]`, w_packed uint8 `[E, N, row_bytes]`, ids int32 `[T, k]` -> float32 `[T, k, N]`.
     The GPU kernel reads each selected expert once per call, however many tokens chose it.
     """
-    return _qmatmul_id(x, w_packed, ids, ggml_type, backend=backend, groups=0)
+    return _qmatmul_id(x, w_packed, ids, ggml_type, backend=backend, groups=0, mma="auto")
 
 
 def _qmatmul_id(
-    x: jax.Array, w_packed: jax.Array, ids: jax.Array, ggml_type: int, *, backend: str | None, groups: int
+    x: jax.Array, w_packed: jax.Array, ids: jax.Array, ggml_type: int, *, backend: str | None, groups: int,
+    mma: MmaMode,
 ) -> jax.Array:
     """`qmatmul_id`; groups > 0 tells the FFI op that ids[p] = p mod groups (a grouped projection)."""
     _check_2d("x", x)
@@ -88,13 +103,14 @@ def _qmatmul_id(
     if ids.shape[0] != x.shape[0]:
         raise DsparkError(f"ids {ids.shape} and x {x.shape} disagree on T")
     check_row_bytes(ggml_type, x.shape[1], w_packed.shape[2])
+    code = _mma_code(mma)
     if _use_ffi(backend):
-        return ffi.qmatmul_id(x, w_packed, ids.astype("int32"), int(ggml_type), groups)
+        return ffi.qmatmul_id(x, w_packed, ids.astype("int32"), int(ggml_type), groups, code)
     return reference.qmatmul_id(x, w_packed, ids.astype("int32"), int(ggml_type))
 
 
 def qmatmul_grouped(
-    x: jax.Array, w_packed: jax.Array, ggml_type: int, *, backend: str | None = None
+    x: jax.Array, w_packed: jax.Array, ggml_type: int, *, backend: str | None = None, mma: MmaMode = "auto"
 ) -> jax.Array:
     """Grouped matmul in one call: `y[t, g] = W[g] · x[t, g]`.
 
@@ -102,13 +118,13 @@ def qmatmul_grouped(
     op with each (token, group) row choosing expert g, so the G matrices are read once per call in one
     launch instead of G launches of a G-times smaller matmul (a decode step's grouped output projection).
     Each output is computed as by `qmatmul_id`, so it stays batch invariant; the GPU may take the dense calls'
-    tensor-core kernel for several tokens per group, which gives the same bits.
+    tensor-core kernel for several tokens per group (`mma`, as in `qmatmul`), which gives the same bits.
     """
     if x.ndim != 3 or w_packed.ndim != 3 or x.shape[1] != w_packed.shape[0]:
         raise DsparkError(f"qmatmul_grouped: x {x.shape} must be [T, G, K] and w_packed {w_packed.shape} [G, N, row_bytes]")
     t, g, k = x.shape
     ids = jnp.tile(jnp.arange(g, dtype=jnp.int32), t).reshape(t * g, 1)
-    y = _qmatmul_id(x.reshape(t * g, k), w_packed, ids, ggml_type, backend=backend, groups=g)
+    y = _qmatmul_id(x.reshape(t * g, k), w_packed, ids, ggml_type, backend=backend, groups=g, mma=mma)
     return y.reshape(t, g, -1)
 
 

@@ -4,7 +4,9 @@ Plugins are shared libraries loaded with ctypes; their handlers are wrapped with
 registered under one target name per op for each platform they serve ("cpu", and "CUDA" exactly, see
 jax_anchors.md §1.2). They are looked up in `$DSPARKJAX_LIB_DIR` if set, else in `dsparkjax/_lib/` next to this package or
 in site-packages (where `pip install .` and the redirecting `pip install -e .` put them). A plugin built against a newer FFI API than the running jaxlib is refused with a
-clear message instead of XLA's late "No FFI handler registered" (jax_anchors.md §1.8).
+clear message instead of XLA's late "No FFI handler registered" (jax_anchors.md §1.8), and so is one whose
+handlers take other arguments or attributes than this module passes (its exported `DsparkPluginAbi`, bumped with
+every binding change, differs from PLUGIN_ABI).
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ BUILD_HINT = (
     "build it with `pip install -e .` (CMake; `DSPARKJAX_CUDA=ON pip install -e .` adds the CUDA plugin) or "
     "`bazel build //custom_calls:all` and point DSPARKJAX_LIB_DIR at $(bazel info bazel-bin)/custom_calls"
 )
+
+# The handlers' calling convention this module speaks: custom_calls/ffi_common.h's kPluginAbi.
+PLUGIN_ABI = 2
 
 # op name -> exported handler symbol stem; the symbol is stem + the plugin's suffix.
 _OPS = {
@@ -85,6 +90,16 @@ class PluginInfo:
     path: str  # the library loaded
 
 
+def check_plugin_abi(path: Path, abi: int | None) -> None:
+    """Refuse a plugin whose handlers' calling convention (`abi`, None when it exports none) is not PLUGIN_ABI."""
+    if abi is None:
+        raise PluginError(f"{path} exports no DsparkPluginAbi: not a dsparkjax plugin, or one built from sources "
+                          f"older than its matmuls' `mma` attribute; rebuild it: {BUILD_HINT}")
+    if abi != PLUGIN_ABI:
+        raise PluginError(f"{path} speaks plugin ABI {abi} but this dsparkjax speaks {PLUGIN_ABI}; rebuild the "
+                          f"plugin from this checkout's custom_calls/: {BUILD_HINT}")
+
+
 def _load(kind: str) -> PluginInfo:
     """Load and register one plugin; returns what it was built with, raises PluginError."""
     spec = _PLUGINS[kind]
@@ -105,6 +120,7 @@ def _load(kind: str) -> PluginInfo:
             raise PluginError(f"{path} has no symbol {name} (not a dsparkjax plugin, or built from older sources); "
                               f"{BUILD_HINT}") from e
 
+    check_plugin_abi(path, getattr(lib, "DsparkPluginAbi", None) and lib.DsparkPluginAbi())
     built = (symbol("DsparkFfiApiMajor")(), symbol("DsparkFfiApiMinor")())
     runtime = runtime_ffi_api_version()
     if built[0] != runtime[0] or built[1] > runtime[1]:
@@ -151,20 +167,24 @@ def _call(target: str, out: object, *args: jax.Array, **attrs: np.generic):
     return jax.ffi.ffi_call(target, out, vmap_method="broadcast_all")(*args, **attrs)
 
 
-def qmatmul(x: jax.Array, w_packed: jax.Array, ggml_type: int) -> jax.Array:
-    """FFI packed matmul: x `[T, K]` (f32|bf16), w_packed uint8 `[N, row_bytes]` -> float32 `[T, N]`."""
+def qmatmul(x: jax.Array, w_packed: jax.Array, ggml_type: int, mma: int) -> jax.Array:
+    """FFI packed matmul: x `[T, K]` (f32|bf16), w_packed uint8 `[N, row_bytes]` -> float32 `[T, N]`; `mma` the
+    tensor-core mode's code (`policy.MMA_CODES`)."""
     out = jax.ShapeDtypeStruct((x.shape[0], w_packed.shape[0]), jnp.float32)
-    return _call("dspark_qmatmul", out, x, w_packed, ggml_type=np.int32(ggml_type))
+    return _call("dspark_qmatmul", out, x, w_packed, ggml_type=np.int32(ggml_type), mma=np.int32(mma))
 
 
-def qmatmul_id(x: jax.Array, w_packed: jax.Array, ids: jax.Array, ggml_type: int, groups: int = 0) -> jax.Array:
+def qmatmul_id(x: jax.Array, w_packed: jax.Array, ids: jax.Array, ggml_type: int, groups: int, mma: int
+               ) -> jax.Array:
     """FFI MoE matmul: x `[T, K]`, w_packed uint8 `[E, N, row_bytes]`, ids int32 `[T, k]` -> f32 `[T, k, N]`.
 
     `groups` = G > 0 declares a grouped projection: E = G, k = 1 and ids[p] = p mod G (as `qmatmul_grouped`
-    builds them), which the GPU may run on its tensor-core kernel for several tokens per group (same bits).
+    builds them), which the GPU may run on its tensor-core kernel for several tokens per group (same bits), as
+    `mma` (the tensor-core mode's code) allows.
     """
     out = jax.ShapeDtypeStruct((x.shape[0], ids.shape[1], w_packed.shape[1]), jnp.float32)
-    return _call("dspark_qmatmul_id", out, x, w_packed, ids, ggml_type=np.int32(ggml_type), groups=np.int32(groups))
+    return _call("dspark_qmatmul_id", out, x, w_packed, ids, ggml_type=np.int32(ggml_type), groups=np.int32(groups),
+                 mma=np.int32(mma))
 
 
 def qmatmul_i8_model(x: jax.Array, w_packed: jax.Array, ggml_type: int) -> jax.Array:

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from dsparkjax.config import DrafterConfig
+from dsparkjax.kernels.policy import KernelPolicy, routed
 from dsparkjax.model.block import attend, attention_output, block_forward, kv_rows, moe_output, query_heads
 from dsparkjax.model.hc import hc_head
 from dsparkjax.model.layers import rms_norm, rope_frequencies, route
@@ -44,10 +45,11 @@ def init_drafter_state(cfg: DrafterConfig, batch: int, max_step: int, dtype: jnp
 class DrafterModel:
     """Static pieces of the drafter (config, options, RoPE table); methods are pure functions."""
 
-    def __init__(self, cfg: DrafterConfig, simulate_qat: bool, hc_kernel: str | None = None):
-        self.cfg, self.simulate_qat, self.hc_kernel = cfg, simulate_qat, hc_kernel
+    def __init__(self, cfg: DrafterConfig, simulate_qat: bool, policy: KernelPolicy = KernelPolicy()):
+        self.cfg, self.simulate_qat, self.policy = cfg, simulate_qat, policy
         self.freqs = rope_frequencies(cfg.rope_dim, cfg.rope_theta)
 
+    @routed
     def absorb(self, params: DrafterParams, state: DrafterState, features: jax.Array, positions: jax.Array
                ) -> DrafterState:
         """Project target features of positions `[B, C]` into every stage's context ring.
@@ -84,9 +86,10 @@ class DrafterModel:
                                  cfg.routed_scaling_factor)
             return moe_output(stage.moe, x, ids, weights, cfg.swiglu_limit, cfg.swiglu_limit)
 
-        streams, _ = block_forward(stage, streams, cfg, attention, ffn, self.hc_kernel)
+        streams, _ = block_forward(stage, streams, cfg, attention, ffn, self.policy.hc_backend)
         return streams
 
+    @routed
     def propose(self, params: DrafterParams, embed: jax.Array, head: jax.Array, state: DrafterState,
                 seeds: jax.Array, seed_pos: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Draft `block_size` candidates after each seed.

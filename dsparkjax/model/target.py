@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from dsparkjax.config import CSA_RATIO, TargetConfig, yarn_ramp
+from dsparkjax.kernels.policy import KernelPolicy, routed
 from dsparkjax.model.block import (
     attend,
     attention_output,
@@ -37,7 +38,7 @@ class StepOptions:
     simulate_qat: bool = True  # FP8 KV and FP4+Hadamard indexer rounding of the official model (§6.2)
     capture_layers: tuple[int, ...] = ()  # layers whose HC streams feed the drafter
     capture_point: Literal["after", "entering"] = "after"  # V4-Flash: after (dspark_reference.md §1)
-    hc_kernel: str | None = None  # None: jnp HC mixes; "ffi": the mHC custom call
+    policy: KernelPolicy = KernelPolicy()  # kernel routing: HC backend, dense-copy thresholds, tensor-core mode
 
 
 def _batch_index(x: jax.Array) -> jax.Array:
@@ -175,8 +176,13 @@ class TargetModel:
         """One layer on the HC streams `[B, Q, n, D]`."""
         return block_forward(blk, streams, self.cfg,
                              lambda x: self.attention(layer, blk, x, positions, cache),
-                             lambda x: self.moe(layer, blk.moe, x, tokens), self.options.hc_kernel)
+                             lambda x: self.moe(layer, blk.moe, x, tokens), self.options.policy.hc_backend)
 
+    @property
+    def policy(self) -> KernelPolicy:
+        return self.options.policy
+
+    @routed
     def step(self, params: TargetParams, state: DecodeState, tokens: jax.Array
              ) -> tuple[jax.Array, jax.Array, DecodeState]:
         """Process `tokens` int32 `[B, Q]` at positions `state.length + 0..Q-1`.

@@ -11,18 +11,20 @@ Packed kernels are matvecs: they read the weights once per tile of at most 8 tok
 through a dense copy made in the graph, in the activation dtype: the numbers of `kernels="dequantize"`, on
 XLA's GEMM, which reads the weight a few times per call (the dequantization, then the GEMM) but not once per
 tile of tokens. Expert stacks keep the kernel, which serves each expert only
-the tokens that chose it. The row count is a static shape, so a program takes one route for all its steps
-(exact speculative decoding runs one program).
+the tokens that chose it. The row thresholds and the GPU's tensor-core mode come from the KernelPolicy the
+step traces under (`dsparkjax.kernels.policy`, part of its jit key). The row count is a static shape, so a
+program takes one route for all its steps (exact speculative decoding runs one program).
 """
 
 from __future__ import annotations
 
-import os
 from typing import Callable, Union
 
 import jax
 import jax.numpy as jnp
 from flax import struct
+
+from dsparkjax.kernels import policy as kernel_policy
 
 
 @struct.dataclass
@@ -47,8 +49,7 @@ Weight = Union[jax.Array, PackedWeight]
 class RowBlocks:
     """Matrices that multiply the same input, their rows stacked at load into as few weights as their formats
     allow, so that each stacked part is one matmul: one kernel launch and one staging of the activations
-    instead of one per matrix (on the H200 an expert's gate and up in one call take 29 µs instead of 2 x 24,
-    kernel run 16). The packed kernels compute each row in an order of its own, so there a stacked matrix's
+    instead of one per matrix (docs/kernels.md#tuning-stacked-matrices). The packed kernels compute each row in an order of its own, so there a stacked matrix's
     outputs are its own call's bits; XLA's dots (dense weights, the jnp reference, the dense-copy route) may
     round the wider product differently. Exact decoding does not mind: every program multiplies the same
     stacked weights.
@@ -59,28 +60,13 @@ class RowBlocks:
     parts: tuple[Weight, ...]
     sizes: tuple[tuple[int, ...], ...] = struct.field(pytree_node=False)
 
-# Packed non-expert matmuls on the "ffi" backend go through a dense copy and XLA's GEMM from GEMM_MIN_ROWS
-# rows per call, and from GEMM_MIN_ROWS_LARGE rows for weights of LARGE_WEIGHT_BYTES packed bytes or more.
-# DSPARKJAX_GEMM_MIN_ROWS and DSPARKJAX_GEMM_MIN_ROWS_LARGE override them (DSPARKJAX_GEMM_MIN_ROWS=0: the kernels
-# always). On the H200 (docs/PERFORMANCE.md):
-# the benchmark model's matrices (at most 9 MB) made the 384-row program 15% faster and the 64-row one 20%
-# slower (generation run 6; 128 lies below the crossover those points put near 150 rows). DS4's 36 MB Q8_0
-# projections in a stream of calls, each with its own weight (kernel run 11): 8192 -> 4096 at 8 rows 46.6 us
-# on the kernel against 74.4 through the copy, at 16 rows 87.1 (run 10) against 69.8, at 64 299.8 against
-# 84.8; the grouped output projection 55.9 against 93.0 at 8 rows, 123.8 against 89.8 at 16. In DS4's own step
-# (8 of its layers, batch 8, generation run 16), where the 563 MB output head is the largest of them, the kernels
-# made the 16-row step faster (8.25 against 9.16 ms) and the copy the 32- and 48-row ones (13.4 against 15.1,
-# 15.0 against 18.8), so the copy takes over from 32 rows (24 is not measured).
-GEMM_MIN_ROWS = int(os.environ.get("DSPARKJAX_GEMM_MIN_ROWS", "128"))
-GEMM_MIN_ROWS_LARGE = int(os.environ.get("DSPARKJAX_GEMM_MIN_ROWS_LARGE", "32"))
-LARGE_WEIGHT_BYTES = 16 << 20
-
-
 def takes_dense_copy(w: PackedWeight, rows: int) -> bool:
-    """Whether a call of `rows` rows multiplies w through its dense copy (the constants above)."""
-    if w.backend != "ffi" or GEMM_MIN_ROWS <= 0:
+    """Whether a call of `rows` rows multiplies w through its dense copy, by the active KernelPolicy's thresholds."""
+    policy = kernel_policy.active()
+    if w.backend != "ffi" or policy.gemm_min_rows <= 0:
         return False
-    return rows >= GEMM_MIN_ROWS or (rows >= GEMM_MIN_ROWS_LARGE and w.data.size >= LARGE_WEIGHT_BYTES)
+    return rows >= policy.gemm_min_rows or (
+        rows >= policy.gemm_min_rows_large and w.data.size >= policy.large_weight_bytes)
 
 
 def _precision(w: jax.Array) -> jax.lax.Precision:
@@ -98,7 +84,7 @@ def _packed_linear(x: jax.Array, w: PackedWeight) -> jax.Array:
     from dsparkjax import kernels
 
     flat = x.reshape(-1, x.shape[-1]).astype(w.dtype)
-    y = kernels.qmatmul(flat, w.data, w.ggml_type, backend=w.backend)
+    y = kernels.qmatmul(flat, w.data, w.ggml_type, backend=w.backend, mma=kernel_policy.active().mma)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -108,7 +94,8 @@ def _packed_grouped_linear(x: jax.Array, w: PackedWeight, groups: int) -> jax.Ar
 
     flat = x.reshape(-1, groups, x.shape[-1]).astype(w.dtype)
     stack = w.data.reshape(groups, -1, w.data.shape[-1])
-    y = kernels.qmatmul_grouped(flat, stack, w.ggml_type, backend=w.backend)
+    y = kernels.qmatmul_grouped(flat, stack, w.ggml_type, backend=w.backend,
+                                mma=kernel_policy.active().mma)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 

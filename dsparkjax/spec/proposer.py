@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from dsparkjax.aot import AotFunction
 from dsparkjax.config import DrafterConfig
 from dsparkjax.ggufio.contract import open_drafter
+from dsparkjax.kernels.policy import KernelPolicy
 from dsparkjax.model.drafter import DrafterModel, DrafterState, init_drafter_state
 from dsparkjax.model.params import DrafterParams, load_drafter_params
 from dsparkjax.model.sources import load_streamed
@@ -44,8 +45,8 @@ class Proposer(Protocol):
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(cfg: DrafterConfig, simulate_qat: bool, hc_kernel: str | None) -> tuple[AotFunction, AotFunction]:
-    model = DrafterModel(cfg, simulate_qat, hc_kernel)
+def _compiled(cfg: DrafterConfig, simulate_qat: bool, policy: KernelPolicy) -> tuple[AotFunction, AotFunction]:
+    model = DrafterModel(cfg, simulate_qat, policy)
     return AotFunction(model.absorb, donate_argnums=(1,)), AotFunction(model.propose)
 
 
@@ -74,7 +75,7 @@ class Drafter:
         return init_drafter_state(self.config, batch, max_step, self.target.dtype)
 
     def precompile(self, state: DrafterState, widths: tuple[int, ...]) -> None:
-        absorb, propose = _compiled(self.config, self.target.simulate_qat, self.target.options().hc_kernel)
+        absorb, propose = _compiled(self.config, self.target.simulate_qat, self.target.options().policy)
         batch, dim = state.context_pos.shape[0], self.config.hidden_size
         n_cap = len(self.capture_layers)
         for width in widths:
@@ -84,11 +85,11 @@ class Drafter:
         propose.compile(self.params, self.target.params.embed, self.target.params.head, state, vector, vector)
 
     def absorb(self, state: DrafterState, features: jax.Array, positions: jax.Array) -> DrafterState:
-        absorb, _ = _compiled(self.config, self.target.simulate_qat, self.target.options().hc_kernel)
+        absorb, _ = _compiled(self.config, self.target.simulate_qat, self.target.options().policy)
         return absorb(self.params, state, features, positions)
 
     def propose(self, state: DrafterState, seeds: jax.Array, seed_pos: jax.Array) -> tuple[jax.Array, jax.Array]:
-        _, propose = _compiled(self.config, self.target.simulate_qat, self.target.options().hc_kernel)
+        _, propose = _compiled(self.config, self.target.simulate_qat, self.target.options().policy)
         return propose(self.params, self.target.params.embed, self.target.params.head, state, seeds, seed_pos)
 
 
