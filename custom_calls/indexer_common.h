@@ -17,8 +17,9 @@
 namespace dspark {
 namespace ffi = xla::ffi;
 
-// Heads are summed in this many interleaved groups (the GPU gives each group to its own warps).
-constexpr int kIndexerHeadGroups = 8;
+// Heads are summed in this many interleaved groups (the GPU gives each group to its own warp, so a short row
+// still spreads over many threads).
+constexpr int kIndexerHeadGroups = 16;
 
 // Σ over the heads h = g, g + G, ... of w[h] · relu(q[h] · key): the dots of four heads interleaved (each
 // still summed d ascending, so the bits do not depend on the interleave). key(d) returns the key's d-th value.
