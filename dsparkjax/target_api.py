@@ -43,7 +43,8 @@ class Target:
 
     def options(self, capture_layers: tuple[int, ...] = ()) -> StepOptions:
         return StepOptions(simulate_qat=self.simulate_qat, capture_layers=capture_layers,
-                           hc_kernel="ffi" if self.kernels == "ffi" else None)
+                           hc_kernel="ffi" if self.kernels == "ffi" else None,
+                           indexer_kernel="ffi" if self.kernels == "ffi" else "reference")
 
     def check_tokens(self, tokens: np.ndarray, what: str = "token ids") -> None:
         """Reject ids outside the vocabulary (and so outside the hash-routing tables) before anything runs."""
