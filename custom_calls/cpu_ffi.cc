@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "cpu_i8_model.h"
+#include "cpu_indexer.h"
 #include "ffi_common.h"
 #include "hc_math.h"
 
@@ -249,5 +250,10 @@ DSPARK_EXPORT XLA_FFI_Error* DsparkHcPostCpu(XLA_FFI_CallFrame*);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DsparkHcPostCpu, dspark::HcPostCpu,
                               ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>());
+
+DSPARK_EXPORT XLA_FFI_Error* DsparkIndexerTopkCpu(XLA_FFI_CallFrame*);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DsparkIndexerTopkCpu, dspark::IndexerTopkCpu,
+                              ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>());
 
 DSPARK_DEFINE_PLUGIN_INFO

@@ -24,6 +24,7 @@
 #include "tuning.h"
 #include "hc_math.h"
 #include "i8_math.h"
+#include "indexer_common.h"
 
 namespace dspark {
 namespace {
@@ -291,6 +292,7 @@ ffi::Error launch_error() {
 
 #include "gpu_i8_matvec.cuh"  // namespace i8: the integer path (uses the constants and ColTable above)
 #include "gpu_i8_mma.cuh"     // namespace i8: its tensor-core kernel for several tokens (CUDA)
+#include "gpu_indexer.cuh"    // IndexerTopkGpu: the CSA indexer's top-k over each row's visible entries
 
 template <class XT>
 void launch_qmatmul(gpuStream_t stream, const QDims& d, int32_t type, MmaMode mma, const uint8_t* w, const void* x,
@@ -614,6 +616,12 @@ DSPARK_EXPORT XLA_FFI_Error* DSPARK_GPU_SYMBOL(DsparkHcPost)(XLA_FFI_CallFrame*)
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DSPARK_GPU_SYMBOL(DsparkHcPost), dspark::HcPostGpu,
                               DSPARK_GPU_BIND.Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>(),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+DSPARK_EXPORT XLA_FFI_Error* DSPARK_GPU_SYMBOL(DsparkIndexerTopk)(XLA_FFI_CallFrame*);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DSPARK_GPU_SYMBOL(DsparkIndexerTopk), dspark::IndexerTopkGpu,
+                              DSPARK_GPU_BIND.Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>(),
                               {ffi::Traits::kCmdBufferCompatible});
 
 DSPARK_DEFINE_PLUGIN_INFO

@@ -44,8 +44,10 @@ class Target:
     policy: KernelPolicy = KernelPolicy()  # kernel routing; its HC backend follows `kernels` (options())
 
     def options(self, capture_layers: tuple[int, ...] = ()) -> StepOptions:
-        """The static step options: the HC mixes run on the FFI kernel exactly when the matrices do."""
-        policy = dataclasses.replace(self.policy, hc_backend="ffi" if self.kernels == "ffi" else None)
+        """The static step options: the HC mixes and the indexer run on the FFI kernels exactly when the matrices do."""
+        ffi = self.kernels == "ffi"
+        policy = dataclasses.replace(self.policy, hc_backend="ffi" if ffi else None,
+                                     indexer_backend="ffi" if ffi else "reference")
         return StepOptions(simulate_qat=self.simulate_qat, capture_layers=capture_layers, policy=policy)
 
     def check_tokens(self, tokens: np.ndarray, what: str = "token ids") -> None:

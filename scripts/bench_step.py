@@ -2,6 +2,7 @@
 
     python scripts/bench_step.py --config wide --dtype bfloat16 --recipe published --prompts 64 --widths 1,6
     python scripts/bench_step.py --recipe published --widths 1 --trace
+    python scripts/bench_step.py --config ds4 --layers 8 --recipe published --prompts 1 --cases 1k:1k,1k:64k,8k:64k
 
 Builds bench_generate.py's model (its flags: `--config`, `--layers`, `--dtype`, `--recipe`, `--kernels`;
 `--prompts` is the batch), then for each width q runs the jitted step `--steps` times back to back, the state donated and
@@ -12,10 +13,15 @@ generation's ms/step (bench_generate.py) adds its host loop to it (accept, commi
 step and the gaps between them (profile_generate.py's summary), which tell a launch-bound step from a
 compute-bound one. XLA_FLAGS apply as usual, so flags that change how steps launch can be compared in one
 device call.
+
+`--cases CONTEXT:CAPACITY,...` times each width in states of each capacity whose last step row sees CONTEXT
+tokens (length CONTEXT − q), and prints each case's time against the first case of the same context:
+a step's cost should follow its context, not the capacity the state was sized for (issue 38, item 3).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import tempfile
 import time
@@ -36,6 +42,35 @@ flags.DEFINE_integer("steps", 32, "steps per timed run")
 # --reps (timed runs per width; the fastest is reported) is bench_generate's flag, defined with bench_model's.
 flags.DEFINE_integer("context", 256, "state capacity in tokens (the cache sizes)")
 flags.DEFINE_bool("trace", False, "also run each width once under the profiler and summarise the trace")
+flags.DEFINE_enum("indexer", "auto", ["auto", "ffi", "reference"], "the CSA indexer's top-k: auto = the target's "
+                  "own choice (ffi with the ffi kernels); reference = the jnp path that scores every entry the "
+                  "state holds (what the step ran before the length-bound op)")
+flags.DEFINE_list("cases", [], "CONTEXT:CAPACITY pairs in tokens, k = 1024 (e.g. 1k:1k,1k:64k): time each width "
+                  "with the state sized for CAPACITY and CONTEXT tokens visible to the step's last row; empty: "
+                  "one case, an empty state of capacity --context")
+
+
+def parse_tokens(text: str) -> int:
+    """'1k' -> 1024, '64k' -> 65536, '300' -> 300."""
+    text = text.strip().lower()
+    try:
+        return int(text[:-1]) * 1024 if text.endswith("k") else int(text)
+    except ValueError:
+        raise app.UsageError(f"--cases: {text!r} is not a token count such as 1k or 300") from None
+
+
+def parse_cases(cases: list[str]) -> list[tuple[int, int]]:
+    """`--cases` as (context, capacity) pairs; the context must fit the capacity."""
+    parsed = []
+    for case in cases:
+        context, sep, capacity = case.partition(":")
+        if not sep:
+            raise app.UsageError(f"--cases: {case!r} is not CONTEXT:CAPACITY")
+        pair = parse_tokens(context), parse_tokens(capacity)
+        if not 0 < pair[0] <= pair[1]:
+            raise app.UsageError(f"--cases: {case!r} needs 0 < CONTEXT <= CAPACITY")
+        parsed.append(pair)
+    return parsed
 
 
 def run_steps(step, params, state, tokens: jax.Array, n: int):
@@ -52,30 +87,44 @@ def main(argv: list[str]) -> None:
     logging.set_verbosity(logging.WARNING)
     target, _, prompts = bench_model()
     cfg, batch = target.config, len(prompts)
-    step = compiled_step(cfg, target.options())
+    options = target.options()
+    if FLAGS.indexer != "auto":
+        options = dataclasses.replace(options, policy=dataclasses.replace(options.policy, indexer_backend=FLAGS.indexer))
+    step = compiled_step(cfg, options)
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, {FLAGS.config} model, {FLAGS.dtype}, "
-          f"recipe {FLAGS.recipe} ({target.kernels} matrices), batch {batch}")
+          f"recipe {FLAGS.recipe} ({target.kernels} matrices, {options.policy.indexer_backend} indexer), batch {batch}")
+    cases = parse_cases(FLAGS.cases) or [(None, FLAGS.context)]
     for q in (int(w) for w in FLAGS.widths):
-        state = init_state(cfg, batch, FLAGS.context, q, target.dtype)
         rng = np.random.default_rng(q)
         tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, q)), jnp.int32)
-        start = time.perf_counter()
-        step.compile(target.params, state, tokens)
-        compile_s = time.perf_counter() - start
-        _, state = run_steps(step, target.params, state, tokens, 2)  # warm-up
-        best = float("inf")
-        for _ in range(FLAGS.reps):
-            seconds, state = run_steps(step, target.params, state, tokens, FLAGS.steps)
-            best = min(best, seconds)
-        print(f"width {q}: {batch * q} rows per matmul, {best / FLAGS.steps * 1e3:.3f} ms per step "
-              f"(fastest of {FLAGS.reps} runs of {FLAGS.steps} steps; compiled in {compile_s:.1f} s)", flush=True)
-        if FLAGS.trace:
-            folder = tempfile.mkdtemp(prefix="dsparkjax-step-trace-")
-            with jax.profiler.trace(folder):
-                _, state = run_steps(step, target.params, state, tokens, FLAGS.steps)
-            (path,) = glob.glob(f"{folder}/**/*.xplane.pb", recursive=True)
-            print(f"trace of {FLAGS.steps} steps of width {q}:")
-            print("\n".join(summarise(path, FLAGS.top)), flush=True)
+        by_context: dict[int, tuple[int, float]] = {}  # context -> (its first case's capacity, its ms)
+        for context, capacity in cases:
+            state = init_state(cfg, batch, capacity, q, target.dtype)
+            if context is not None:
+                if context < q:
+                    raise app.UsageError(f"--cases: context {context} is shorter than width {q}")
+                state = state.replace(length=jnp.full((batch,), context - q, jnp.int32))
+            start = time.perf_counter()
+            step.compile(target.params, state, tokens)
+            compile_s = time.perf_counter() - start
+            _, state = run_steps(step, target.params, state, tokens, 2)  # warm-up
+            best = float("inf")
+            for _ in range(FLAGS.reps):
+                seconds, state = run_steps(step, target.params, state, tokens, FLAGS.steps)
+                best = min(best, seconds)
+            ms = best / FLAGS.steps * 1e3
+            label = f"width {q}" if context is None else f"width {q}, context {context} in capacity {capacity}"
+            base = by_context.setdefault(context, (capacity, ms)) if context is not None else None
+            versus = f", {ms / base[1]:.3f}x capacity {base[0]}" if base and base[0] != capacity else ""
+            print(f"{label}: {batch * q} rows per matmul, {ms:.3f} ms per step{versus} "
+                  f"(fastest of {FLAGS.reps} runs of {FLAGS.steps} steps; compiled in {compile_s:.1f} s)", flush=True)
+            if FLAGS.trace:
+                folder = tempfile.mkdtemp(prefix="dsparkjax-step-trace-")
+                with jax.profiler.trace(folder):
+                    _, state = run_steps(step, target.params, state, tokens, FLAGS.steps)
+                (path,) = glob.glob(f"{folder}/**/*.xplane.pb", recursive=True)
+                print(f"trace of {FLAGS.steps} steps of {label}:")
+                print("\n".join(summarise(path, FLAGS.top)), flush=True)
 
 
 if __name__ == "__main__":

@@ -13,8 +13,10 @@
 # device time goes), `hc` (the mHC custom calls' time per call, outputs saved for comparing builds), `durations` (every kernel benchmark call's kernel time alone, under Nsight Compute),
 # `profile` (one call of each of two kernels in depth, with each pipe's utilisation), `routes` (the packed
 # kernel against the model's dense copy on XLA's GEMM at small and large row counts: what sets
-# KernelPolicy.gemm_min_rows), `policy` (the tensor-core mode's FFI attribute, off/auto/force, on the GPU) and `q4k` (the Q4_K GPU tests alone, then Q4_K against Q2_K and IQ2_XXS at DS4's expert
-# shapes, T = 1, 2, 4, 8; its time is not measured yet, the kernels section's size).
+# KernelPolicy.gemm_min_rows), `policy` (the tensor-core mode's FFI attribute, off/auto/force, on the GPU), `q4k` (the Q4_K GPU tests alone, then Q4_K against Q2_K and IQ2_XXS at DS4's expert
+# shapes, T = 1, 2, 4, 8; its time is not measured yet, the kernels section's size) and `indexer` (the
+# length-bound CSA indexer top-k: its GPU tests, then DS4's step at a 1k context in 1k- and 64k-capacity states;
+# about five minutes, not measured yet).
 set -uo pipefail
 SECTIONS="${*:-tests kernels generate}"
 want() { [[ " $SECTIONS " == *" $1 "* ]]; }
@@ -67,6 +69,17 @@ XLA_FLAGS= python3 scripts/bench_generate.py --config ds4 --layers 8 --dtype bfl
   --prompts 1 --max_new_tokens 32 --q 4 --acceptance 0.7 --reps 3 --output "$OUT/ds4_generate_b1.json" \
   > "$OUT/ds4_generate_b1.log" 2>&1
 grep -v '^ ' "$OUT/ds4_generate_b1.log" | tail -9
+fi
+if want indexer; then
+echo "== indexer_topk: GPU tests, then the step by (context, capacity) with the FFI and the jnp indexer (DS4, 8 layers)"
+python3 -m pytest -q -p no:cacheprovider tests/test_indexer.py -m gpu > "$OUT/indexer_tests.log" 2>&1
+tail -3 "$OUT/indexer_tests.log"
+for ix in ffi reference; do
+  cases=1k:1k,1k:64k,8k:64k,64k:64k; [[ $ix == reference ]] && cases=1k:1k,1k:64k
+  XLA_FLAGS= python3 scripts/bench_step.py --config ds4 --layers 8 --dtype bfloat16 --recipe published \
+    --prompts 1 --widths 1 --steps 32 --reps 5 --indexer $ix --cases $cases > "$OUT/indexer_step_$ix.txt" 2>&1
+  grep -E "^device|^width|Error" "$OUT/indexer_step_$ix.txt"
+done
 fi
 if want hc; then  # under a minute; compare two builds with bench_hc.py --compare=A.npz,B.npz
 echo "== mHC custom calls"

@@ -168,6 +168,18 @@ def test_bench_step_times_each_width_and_traces_it():
     assert len(re.findall(r"^trace of 2 steps of width \d:\n== ", proc.stdout, re.M)) == 2, proc.stdout
 
 
+def test_bench_step_cases_time_a_context_in_each_capacity():
+    """--cases times each width per (context, capacity) and compares capacities of one context."""
+    proc = run_script("bench_step.py", "--config=tiny", "--dtype=float32", "--prompts=1", "--widths=2",
+                      "--steps=2", "--reps=1", "--cases=40:64,40:256")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    timed = re.findall(r"^width 2, context 40 in capacity (\d+): 2 rows per matmul, [\d.]+ ms per step(, [\d.]+x "
+                       r"capacity 64)?", proc.stdout, re.M)
+    assert [(cap, bool(versus)) for cap, versus in timed] == [("64", False), ("256", True)], proc.stdout
+    bad = run_script("bench_step.py", "--config=tiny", "--cases=1k")
+    assert bad.returncode != 0 and "is not CONTEXT:CAPACITY" in bad.stderr
+
+
 def test_bench_hc_times_saves_and_compares_outputs(tmp_path):
     """Every shape is timed; the saved outputs of one build compare equal to themselves and unequal to others."""
     saved = tmp_path / "a.npz"

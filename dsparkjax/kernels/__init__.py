@@ -1,4 +1,5 @@
-"""Batch-invariant kernels: packed quantized matmul (dense, MoE by expert id, grouped) and mHC pre/post.
+"""Batch-invariant kernels: packed quantized matmul (dense, MoE by expert id, grouped), mHC pre/post and the
+CSA Lightning Indexer's top-k selection.
 
 Every op has two backends with one signature:
   * "ffi": the compiled XLA FFI plugin (`custom_calls/`, CPU and CUDA). Weights stay packed exactly as stored
@@ -31,6 +32,7 @@ __all__ = [
     "dequantize",
     "hc_post",
     "hc_pre",
+    "indexer_topk",
     "qmatmul",
     "qmatmul_grouped",
     "qmatmul_id",
@@ -169,3 +171,31 @@ def hc_post(
         )
     impl = ffi if _use_ffi(backend) else reference
     return impl.hc_post(block_out, streams, post, comb)
+
+
+def indexer_topk(
+    queries: jax.Array, keys: jax.Array, head_weights: jax.Array, lengths: jax.Array, k: int, *,
+    backend: str | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """The Lightning Indexer's top-k of the first `lengths[b, q]` entries of `keys` for each query row.
+
+    `score[b, q, n] = Σ_h w[b, q, h] · relu(queries[b, q, h] · keys[b, n])` for n < lengths[b, q]; returns the k
+    best by score descending with ties to the lowest entry, and for a row with fewer than k visible entries,
+    entry j in each slot j >= length (marked not real). The FFI op reads only the visible entries, so its cost
+    grows with the lengths, not with the buffer's capacity N; the reference scores all N.
+
+    queries float32 `[B, Q, H, d]`, keys float32 `[B, N, d]`, head_weights float32 `[B, Q, H]`, lengths int32
+    `[B, Q]` (clamped to [0, N]), k static in 1..N -> (picks int32 `[B, Q, k]`, real bool `[B, Q, k]`).
+    """
+    if queries.ndim != 4 or keys.ndim != 3 or keys.shape[0] != queries.shape[0] or keys.shape[2] != queries.shape[3]:
+        raise DsparkError(f"indexer_topk: queries {queries.shape} must be [B, Q, H, d] and keys {keys.shape} [B, N, d]")
+    if head_weights.shape != queries.shape[:3] or lengths.shape != queries.shape[:2]:
+        raise DsparkError(f"indexer_topk: head_weights {head_weights.shape} must be [B, Q, H] and lengths "
+                          f"{lengths.shape} [B, Q] for queries {queries.shape}")
+    if not 1 <= k <= keys.shape[1]:
+        raise DsparkError(f"indexer_topk: k = {k} must be in 1..N = {keys.shape[1]}")
+    f32 = jnp.float32
+    args = (queries.astype(f32), keys.astype(f32), head_weights.astype(f32),
+            jnp.clip(lengths.astype(jnp.int32), 0, keys.shape[1]))
+    impl = ffi if _use_ffi(backend) else reference
+    return impl.indexer_topk(*args, int(k))

@@ -38,6 +38,7 @@ _OPS = {
     "dspark_qmatmul_id": "DsparkQMatmulId",
     "dspark_hc_pre": "DsparkHcPre",
     "dspark_hc_post": "DsparkHcPost",
+    "dspark_indexer_topk": "DsparkIndexerTopk",
 }
 # ops of the CPU plugin alone: the model of the GPU integer path (`qmatmul_i8_model`)
 _CPU_OPS = {"dspark_qmatmul_i8_model": "DsparkQMatmulI8Model"}
@@ -237,3 +238,15 @@ def hc_post(block_out: jax.Array, streams: jax.Array, post: jax.Array, comb: jax
     """FFI HC-post: `X'[t, k] = post[t, k]·F[t] + Σ_j comb[t, j, k]·X[t, j]` -> float32 `[T, n, D]`."""
     out = jax.ShapeDtypeStruct(streams.shape, jnp.float32)
     return _call("dspark_hc_post", out, block_out, streams, post.astype(jnp.float32), comb.astype(jnp.float32))
+
+
+def indexer_topk(queries: jax.Array, keys: jax.Array, head_weights: jax.Array, lengths: jax.Array, k: int
+                 ) -> tuple[jax.Array, jax.Array]:
+    """FFI Lightning Indexer selection (custom_calls/indexer_common.h): reads only the entries below each row's
+    length. Same arguments and results as `reference.indexer_topk`; the kernel's second output, its scores
+    workspace float32 `[B, Q, N]` (written below each row's length only), is dropped here.
+    """
+    b, q = lengths.shape
+    outs = (jax.ShapeDtypeStruct((b, q, k), jnp.int32), jax.ShapeDtypeStruct((b, q, keys.shape[1]), jnp.float32))
+    picks, _ = _call("dspark_indexer_topk", outs, queries, keys, head_weights, lengths)
+    return picks, jnp.arange(k, dtype=jnp.int32) < lengths[..., None]

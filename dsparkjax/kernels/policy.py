@@ -28,6 +28,8 @@ class KernelPolicy:
     """How a step routes its packed matmuls and HC mixes (thresholds' measurements: docs/kernels.md#tuning-tables).
 
     hc_backend: None computes the HC mixes with the jnp reference (`model/hc.py`), "ffi" with the mHC custom call.
+    indexer_backend: the CSA indexer's top-k: "reference" scores every entry the state holds (jnp), "ffi" only
+      each row's visible entries (the indexer_topk custom call: cost grows with length, not capacity).
     gemm_min_rows: from this many rows per call, a packed non-expert weight on the "ffi" backend is multiplied
       through a dense copy on XLA's GEMM instead of the matvec kernels; 0 keeps the kernels always.
     gemm_min_rows_large: the same threshold for weights of at least `large_weight_bytes` packed bytes.
@@ -37,6 +39,7 @@ class KernelPolicy:
     """
 
     hc_backend: Literal["ffi"] | None = None
+    indexer_backend: Literal["reference", "ffi"] = "reference"
     gemm_min_rows: int = 128  # below the crossover the benchmark model's matrices put near 150 rows
     gemm_min_rows_large: int = 32  # DS4's large projections and head: the copy wins from 32 rows in its step
     large_weight_bytes: int = 16 << 20
@@ -45,6 +48,8 @@ class KernelPolicy:
     def __post_init__(self) -> None:
         if self.hc_backend not in (None, "ffi"):
             raise DsparkError(f"KernelPolicy.hc_backend must be None or 'ffi', got {self.hc_backend!r}")
+        if self.indexer_backend not in ("reference", "ffi"):
+            raise DsparkError(f"KernelPolicy.indexer_backend must be 'reference' or 'ffi', got {self.indexer_backend!r}")
         if self.mma not in MMA_CODES:
             raise DsparkError(f"KernelPolicy.mma must be one of {sorted(MMA_CODES)}, got {self.mma!r}")
         for name in ("gemm_min_rows", "gemm_min_rows_large", "large_weight_bytes"):

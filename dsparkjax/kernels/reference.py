@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from dsparkjax.kernels import packed
 from dsparkjax.model.hc import hc_post, hc_pre
 
-__all__ = ["hc_post", "hc_pre", "qmatmul", "qmatmul_id"]
+__all__ = ["hc_post", "hc_pre", "indexer_topk", "qmatmul", "qmatmul_id"]
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -36,3 +36,21 @@ def qmatmul_id(x: jax.Array, w_packed: jax.Array, ids: jax.Array, ggml_type: int
     w = packed.dequantize(w_packed[jnp.where(valid, ids, 0)], ggml_type, x.shape[-1])  # [T, k, N, K]
     y = jnp.einsum("tk,tjnk->tjn", x.astype(jnp.float32), w, precision=_HI)
     return jnp.where(valid[..., None], y, 0.0)
+
+
+def indexer_topk(queries: jax.Array, keys: jax.Array, head_weights: jax.Array, lengths: jax.Array, k: int
+                 ) -> tuple[jax.Array, jax.Array]:
+    """The Lightning Indexer's selection over every entry the key buffer holds, masked to the visible ones.
+
+    `score[b, q, n] = Σ_h w[b, q, h] · relu(queries[b, q, h] · keys[b, n])`; entries n >= lengths[b, q] score
+    −inf; the k highest are returned by score descending, ties to the lowest entry (`ds4_arch.md` §6.3 item 4),
+    so a row with fewer than k visible entries gets entries len, len+1, ... in its last slots.
+
+    queries float32 `[B, Q, H, d]`, keys float32 `[B, N, d]`, head_weights float32 `[B, Q, H]`, lengths int32
+    `[B, Q]` -> (picks int32 `[B, Q, k]`, real bool `[B, Q, k]`: whether each pick is a visible entry).
+    """
+    dots = jnp.einsum("bqhd,bnd->bqhn", queries, keys, precision=_HI)
+    scores = jnp.einsum("bqh,bqhn->bqn", head_weights, jax.nn.relu(dots), precision=_HI)
+    visible = jnp.arange(keys.shape[1]) < lengths[..., None]
+    _, picks = jax.lax.top_k(jnp.where(visible, scores, -jnp.inf), k)
+    return picks, jnp.take_along_axis(visible, picks, axis=-1)

@@ -14,6 +14,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from dsparkjax import kernels
 from dsparkjax.config import CSA_RATIO, TargetConfig, yarn_ramp
 from dsparkjax.kernels.policy import KernelPolicy, routed
 from dsparkjax.model.block import (
@@ -122,12 +123,10 @@ class TargetModel:
             iq, keys = fp4_indexer_sim(iq), fp4_indexer_sim(keys)
         index_keys = store_entries(cache.index_keys, keys, index)
         head_weights = linear(x, ix.weights_proj) * (cfg.index_head_dim * cfg.index_heads) ** -0.5
-        dots = jnp.einsum("bqhd,bnd->bqhn", iq, index_keys, precision=jax.lax.Precision.HIGHEST)
-        scores = jnp.einsum("bqh,bqhn->bqn", head_weights, jax.nn.relu(dots), precision=jax.lax.Precision.HIGHEST)
-        visible = jnp.arange(index_keys.shape[1]) < ((positions + 1) // CSA_RATIO)[..., None]
         k = min(cfg.index_topk, index_keys.shape[1])
-        _, picks = jax.lax.top_k(jnp.where(visible, scores, -jnp.inf), k)  # ties -> lowest index (§6.3 item 4)
-        real = jnp.take_along_axis(visible, picks, axis=-1)
+        # ties -> lowest index (§6.3 item 4); entry w is visible from position 4(w+1)−1 on
+        picks, real = kernels.indexer_topk(iq, index_keys, head_weights, (positions + 1) // CSA_RATIO, k,
+                                           backend=self.options.policy.indexer_backend)
         return cache.replace(index_proj=ring, index_keys=index_keys), picks, real
 
     def attention(self, layer: int, blk: Block, x: jax.Array, positions: jax.Array, cache: LayerCache
