@@ -59,3 +59,9 @@ def sample_windows(stream: np.ndarray, rng: np.random.Generator, batch: int, len
     """`batch` random windows of `length` tokens of the stream: int32 `[batch, length]`."""
     starts = rng.integers(0, len(stream) - length, size=batch)
     return np.stack([stream[s : s + length] for s in starts])
+
+
+def held_out_prompts(tokenizer: Tokenizer, count: int, length: int, seed: int) -> list[list[int]]:
+    """`count` prompts of `length` tokens from random places of the held-out files (acceptance, calibration)."""
+    stream = token_stream(tokenizer, split_files(stdlib_files()).held_out)
+    return sample_windows(stream, np.random.default_rng(seed), count, length).tolist()
