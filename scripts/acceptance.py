@@ -4,7 +4,8 @@ prompts (the standard library's held-out `.py` files, `dsparkjax/training/corpus
     python scripts/acceptance.py                                 # the embedded pair, JSON to stdout
     python scripts/acceptance.py --json_out docs/acceptance.json
 
-For each verify width (`--widths`: "adaptive" and fixed q), it reports candidates matched/offered, target
+For each verify width (`--widths`: "adaptive" and fixed q; `--thresholds p2,p3`: the confidence policy with
+calibrated thresholds), it reports candidates matched/offered, target
 steps against plain decoding's for the same tokens, tokens per step, and whether the output is identical
 to plain decoding (exact verification).
 """
@@ -18,6 +19,7 @@ from absl import app, flags, logging
 from dsparkjax.embedded import embedded_pair
 from dsparkjax.spec.generate import generate
 from dsparkjax.spec.proposer import load_drafter
+from dsparkjax.spec.width import WidthPolicy
 from dsparkjax.target_api import load_target
 from dsparkjax.training.corpus import held_out_prompts
 
@@ -28,6 +30,8 @@ _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 32, "Tokens per prompt.")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "Tokens generated per prompt.")
 _SEED = flags.DEFINE_integer("seed", 7, "Seed of the prompt positions.")
 _WIDTHS = flags.DEFINE_list("widths", ["adaptive", "6"], "Verify widths to measure: 'adaptive' or q in 2..6.")
+_THRESHOLDS = flags.DEFINE_list("thresholds", [], "p2,p3 of the confidence policy (e.g. from scripts/calibrate.py): "
+                                 "also measures adaptive widths with them, as 'calibrated'.")
 _JSON = flags.DEFINE_string("json_out", None, "Also write the results here.")
 
 
@@ -46,10 +50,14 @@ def main(argv: list[str]) -> None:
     plain_steps = sum(r.steps for r in plain)
     report = dict(target=target_path, draft=draft_path, prompts=len(prompts), prompt_len=_PROMPT_LEN.value,
                   max_new_tokens=_MAX_NEW.value, seed=_SEED.value, plain_steps=plain_steps, widths={})
-    for width in _WIDTHS.value:
-        spec = generate(target, prompts, drafter=drafter, mode="spec", verify="exact",
-                        width=width if width == "adaptive" else int(width), max_new_tokens=_MAX_NEW.value,
-                        stop_tokens=stop)
+    widths: dict[str, str | int | WidthPolicy] = {w: w if w == "adaptive" else int(w) for w in _WIDTHS.value}
+    if _THRESHOLDS.value:
+        p2, p3 = (float(x) for x in _THRESHOLDS.value)
+        widths["calibrated"] = WidthPolicy(p2_threshold=p2, p3_threshold=p3)
+        report["thresholds"] = dict(p2=p2, p3=p3)
+    for width, policy in widths.items():
+        spec = generate(target, prompts, drafter=drafter, mode="spec", verify="exact", width=policy,
+                        max_new_tokens=_MAX_NEW.value, stop_tokens=stop)
         matched, offered, steps = (sum(getattr(r, k) for r in spec) for k in ("matched", "offered", "steps"))
         report["widths"][width] = dict(
             matched=matched, offered=offered, matched_per_offered=round(matched / max(offered, 1), 4),
