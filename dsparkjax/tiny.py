@@ -1,5 +1,5 @@
-"""Random models: the deterministic tiny target + drafter pairs (the embedded default model and the test
-models), random full-size models generated on the device, and sparse all-zero files of any size.
+"""Random models: the deterministic tiny target + drafter pairs of the tests, random full-size models
+generated on the device, and sparse all-zero files of any size.
 
 `python -m dsparkjax.tiny --out DIR` writes `DIR/target.gguf` and `DIR/draft.gguf` in seconds;
 `python -m dsparkjax.tiny --config ds4 --sparse --out DIR` writes DeepSeek-V4-Flash's published layout (86.7 GB
@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import shutil
 from typing import Any
 
 import jax
@@ -34,7 +33,6 @@ from dsparkjax.kernels import dequantize, synthetic
 from dsparkjax.model.sources import packs, stored_form
 
 Params = dict[str, np.ndarray | RawTensor]
-GENERATOR_VERSION = 1  # bump when the generated weights change
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,26 +237,6 @@ def write_tiny_pair(out_dir: str, *, seed: int = 0, recipe: str = "f32", target_
     write_model_gguf(target_path, target_cfg, target, recipe=recipe, tokenizer=tokenizer, name="dsparkjax tiny target")
     write_model_gguf(draft_path, drafter_cfg, draft, recipe=recipe, name="dsparkjax tiny drafter")
     return target_path, draft_path
-
-
-def default_pair() -> tuple[str, str]:
-    """The embedded default pair (seed 0, f32, with a tokenizer), generated on first use into the cache dir.
-
-    The directory is `$DSPARKJAX_CACHE` or `~/.cache/dsparkjax`, under a name that changes with the
-    generator, so a stale pair is never picked up.
-    """
-    root = os.environ.get("DSPARKJAX_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "dsparkjax"))
-    out = os.path.join(root, f"tiny-{GENERATOR_VERSION}")
-    target, draft = os.path.join(out, "target.gguf"), os.path.join(out, "draft.gguf")
-    if not (os.path.exists(target) and os.path.exists(draft)):
-        tmp = f"{out}.tmp{os.getpid()}"
-        write_tiny_pair(tmp)
-        os.makedirs(root, exist_ok=True)
-        try:
-            os.replace(tmp, out)
-        except OSError:  # another process won the race; its pair is identical
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target, draft
 
 
 def main(argv: list[str]) -> None:

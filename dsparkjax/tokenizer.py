@@ -14,7 +14,7 @@ from __future__ import annotations
 import codecs
 import json
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from functools import cached_property
 from typing import Any
 
@@ -253,24 +253,26 @@ _TINY_CORPUS = (
 )
 
 
-def build_tiny_tokenizer(vocab_size: int = 512) -> Tokenizer:
-    """A deterministic byte-level BPE of exactly ``vocab_size`` tokens for the embedded tiny test models.
+def build_tiny_tokenizer(vocab_size: int = 512, corpus: Iterable[str] = _TINY_CORPUS, *,
+                         reserved: int = 0) -> Tokenizer:
+    """A deterministic byte-level BPE of exactly ``vocab_size`` tokens for tiny models.
 
-    Trained with `tokenizers`' BpeTrainer on a small built-in multilingual corpus, with the DeepSeek-V3
-    pre-tokenizer. Ids: 0 = BOS ``<｜begin▁of▁sentence｜>``, 1 = EOS ``<｜end▁of▁sentence｜>``, then the other
-    chat-template tokens, the 256 byte tokens and the learned merges; if the corpus yields fewer merges than
-    room remains, the vocabulary is padded with unused ``[PADn]`` tokens (as llama.cpp's converter does).
+    Trained with `tokenizers`' BpeTrainer on ``corpus`` (default: a small built-in multilingual one, for the
+    random test models), with the DeepSeek-V3 pre-tokenizer. Ids: 0 = BOS ``<｜begin▁of▁sentence｜>``, 1 = EOS
+    ``<｜end▁of▁sentence｜>``, then the other chat-template tokens, the 256 byte tokens and the learned merges;
+    the last ``reserved`` ids and any room the corpus leaves are unused ``[PADn]`` tokens (as llama.cpp's
+    converter pads), e.g. for a drafter's MASK token that text never produces.
     """
     specials = [*CONTROL_TOKENS, *USER_DEFINED_TOKENS]
-    minimum = len(specials) + len(_CHAR_TO_BYTE)
+    minimum = len(specials) + len(_CHAR_TO_BYTE) + reserved
     if vocab_size < minimum:
         raise ValueError(f"vocab_size {vocab_size} is too small: the tiny tokenizer needs at least {minimum} "
-                         f"({len(specials)} special tokens + 256 byte tokens)")
+                         f"({len(specials)} special tokens + 256 byte tokens + {reserved} reserved)")
     hf = tokenizers.Tokenizer(models.BPE())
     hf.pre_tokenizer = _pre_tokenizer("deepseek-v3")
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - reserved, special_tokens=specials, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    hf.train_from_iterator(_TINY_CORPUS, trainer=trainer)
+    hf.train_from_iterator(corpus, trainer=trainer)
     trained = json.loads(hf.to_str())["model"]
     tokens = sorted(trained["vocab"], key=trained["vocab"].get)
     if tokens[:len(specials)] != specials or [trained["vocab"][t] for t in tokens] != list(range(len(tokens))):

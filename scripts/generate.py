@@ -18,16 +18,16 @@ import time
 from absl import app, flags, logging
 
 from dsparkjax import chat, cli_inputs, runtime
+from dsparkjax.embedded import embedded_pair
 from dsparkjax.errors import DsparkError
 from dsparkjax.spec.generate import generate
 from dsparkjax.spec.proposer import load_drafter
 from dsparkjax.target_api import load_target
-from dsparkjax.tiny import default_pair
 
-DEFAULT_PROMPTS = (
-    "The quick brown fox",
-    "Once upon a time, in a land far away, there lived",
-    "Speculative decoding verifies several drafted tokens in one step, so",
+DEFAULT_PROMPTS = (  # the embedded pair writes Python (it was trained on the standard library)
+    "import os\nimport sys\n\n\ndef main(",
+    "class Parser:\n    def __init__(self, text):\n",
+    "    for i in range(len(items)):\n",
 )
 
 _TARGET = flags.DEFINE_string("target", None, "Target GGUF (default: the embedded tiny target).")
@@ -83,7 +83,7 @@ def main(argv: list[str]) -> None:
     runtime.configure()  # before JAX starts: device memory for a full-size model, the compilation cache
     target_path, draft_path = _TARGET.value, _DRAFT.value
     if target_path is None:
-        target_path, embedded_draft = default_pair()
+        target_path, embedded_draft = embedded_pair()
         draft_path = draft_path or embedded_draft
     target = load_target(target_path, dtype=_DTYPE.value, simulate_qat=_QAT.value, progress=True)
     drafter = load_drafter(draft_path, target, progress=True) if draft_path else None

@@ -103,8 +103,32 @@ class DrafterModel:
            confidences float32 `[B, block_size]` = sigmoid of the confidence head (ones if it has none)).
         """
         hidden = self.block_hidden(params, embed, state, seeds, seed_pos)
-        logits = linear(rms_norm(hidden, params.norm, self.cfg.rms_norm_eps), head)  # [B, W, V]
-        return self._markov_chain(params, hidden, logits, seeds)
+        return self._markov_chain(params, hidden, self.block_logits(params, hidden, head), seeds)
+
+    def block_logits(self, params: DrafterParams, hidden: jax.Array, head: jax.Array) -> jax.Array:
+        """The base logits of the block rows before the Markov bias: the drafter's norm, then the target's
+        LM head. hidden float32 `[..., D]` -> float32 `[..., V]`."""
+        return linear(rms_norm(hidden, params.norm, self.cfg.rms_norm_eps), head)
+
+    @staticmethod
+    def markov_bias(params: DrafterParams, prev: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The Markov head for the previous tokens `prev` int32 `[...]`: (logit bias `W2·W1[prev]` float32
+        `[..., V]`, the embedding `W1[prev]` float32 `[..., r]` that the confidence head also reads)."""
+        prev_embed = params.markov_w1[prev].astype(jnp.float32)
+        return linear(prev_embed, params.markov_w2), prev_embed
+
+    @staticmethod
+    def confidence_logit(params: DrafterParams, hidden: jax.Array, prev_embed: jax.Array) -> jax.Array | None:
+        """The confidence head's raw logit float32 `[...]` from the pre-norm hidden `[..., D]` and `W1[prev]`
+        `[..., r]` (only the hidden when the head is D wide); None for a drafter without the head."""
+        if params.confidence_w is None:
+            return None
+        features = hidden
+        if params.confidence_w.shape[0] != features.shape[-1]:
+            features = jnp.concatenate([features, prev_embed], axis=-1)
+        score = jnp.einsum("...k,k->...", features, params.confidence_w.astype(jnp.float32),
+                           precision=jax.lax.Precision.HIGHEST)
+        return score if params.confidence_b is None else score + params.confidence_b
 
     def block_hidden(self, params: DrafterParams, embed: jax.Array, state: DrafterState, seeds: jax.Array,
                      seed_pos: jax.Array) -> jax.Array:
@@ -132,19 +156,10 @@ class DrafterModel:
         """Greedy left-to-right choice with the Markov bias, and each choice's confidence."""
         prev, candidates, confidences = seeds, [], []
         for i in range(self.cfg.block_size):
-            prev_embed = params.markov_w1[prev].astype(jnp.float32)  # [B, r]
-            row = logits[:, i] + linear(prev_embed, params.markov_w2)
-            if params.confidence_w is None:
-                confidences.append(jnp.ones(seeds.shape, jnp.float32))
-            else:
-                features = hidden[:, i]
-                if params.confidence_w.shape[0] != features.shape[-1]:
-                    features = jnp.concatenate([features, prev_embed], axis=-1)
-                score = jnp.einsum("bk,k->b", features, params.confidence_w.astype(jnp.float32),
-                                   precision=jax.lax.Precision.HIGHEST)
-                if params.confidence_b is not None:
-                    score = score + params.confidence_b
-                confidences.append(jax.nn.sigmoid(score))
+            bias, prev_embed = self.markov_bias(params, prev)
+            row = logits[:, i] + bias
+            score = self.confidence_logit(params, hidden[:, i], prev_embed)
+            confidences.append(jnp.ones(seeds.shape, jnp.float32) if score is None else jax.nn.sigmoid(score))
             prev = jnp.argmax(row, axis=-1).astype(jnp.int32)
             candidates.append(prev)
         return jnp.stack(candidates, axis=1), jnp.stack(confidences, axis=1)

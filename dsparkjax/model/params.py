@@ -132,7 +132,7 @@ class _TensorReader:
     def expert_ids(self, name: str, n_experts: int) -> jax.Array:
         """A hash-routing table, int32 `[V, k]`, checked to hold expert ids in [0, n_experts)."""
         table = self.get(name)
-        if isinstance(table, jax.ShapeDtypeStruct):  # sizing: no values to check
+        if isinstance(table, (jax.ShapeDtypeStruct, jax.core.Tracer)):  # sizing, or traced (training): no values
             return table
         lo, hi = int(jnp.min(table)), int(jnp.max(table))
         if lo < 0 or hi >= n_experts:

@@ -60,6 +60,10 @@ class RowBlocks:
     parts: tuple[Weight, ...]
     sizes: tuple[tuple[int, ...], ...] = struct.field(pytree_node=False)
 
+# expert_linear's dense route multiplies every expert when E <= this · k (no per-row weight gather).
+ALL_EXPERTS_MAX_RATIO = 4
+
+
 def takes_dense_copy(w: PackedWeight, rows: int) -> bool:
     """Whether a call of `rows` rows multiplies w through its dense copy, by the active KernelPolicy's thresholds."""
     policy = kernel_policy.active()
@@ -122,6 +126,10 @@ def linear(x: jax.Array, w: Weight, *, groups: int | None = None) -> jax.Array:
 def expert_linear(x: jax.Array, w: Weight, ids: jax.Array) -> jax.Array:
     """Each token against its own selected experts: `y[..., j, :] = x·w[ids[..., j]]ᵀ`.
 
+    Dense stacks of at most ALL_EXPERTS_MAX_RATIO·k experts multiply every expert and keep the selected
+    outputs (at most that many times the work, but no gathered weight copy per row, whose gradient is a
+    scatter the size of every row's weights); larger stacks gather the selected experts' weights.
+
     Args:
       x: `[..., in]` (one input per token) or `[..., k, in]` (one input per selected expert);
       w: `[E, out, in]`; ids: int32 `[..., k]`.
@@ -139,8 +147,14 @@ def expert_linear(x: jax.Array, w: Weight, ids: jax.Array) -> jax.Array:
             flat, flat_ids = x.reshape(-1, x.shape[-1]), ids.reshape(-1, k)
         y = kernels.qmatmul_id(flat.astype(w.dtype), w.data, flat_ids, w.ggml_type, backend=w.backend)
         return y.reshape(*ids.shape, y.shape[-1])
-    picked = jnp.take(w, ids, axis=0)  # [..., k, out, in]
     x = x.astype(w.dtype)
+    if w.shape[0] <= ALL_EXPERTS_MAX_RATIO * ids.shape[-1]:  # few experts: no per-row weight copies (training)
+        spec = "...jk,enk->...jen" if per_expert else "...k,enk->...en"
+        every = jnp.einsum(spec, x, w, precision=_precision(w), preferred_element_type=jnp.float32)
+        if per_expert:
+            return jnp.take_along_axis(every, ids[..., None, None], axis=-2)[..., 0, :]
+        return jnp.take_along_axis(every, ids[..., None], axis=-2)
+    picked = jnp.take(w, ids, axis=0)  # [..., k, out, in]
     spec = "...jk,...jnk->...jn" if per_expert else "...k,...jnk->...jn"
     return jnp.einsum(spec, x, picked, precision=_precision(w), preferred_element_type=jnp.float32)
 
