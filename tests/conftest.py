@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+import gc
 import os
 
 # The tiny-model tests are bound by XLA compile time, not run time; LLVM -O0 compiles ~2.5x faster.
 # Exactness tests compare programs compiled with the same flags, so this changes no assertion.
 os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
 
+import jax  # noqa: E402
 import pytest  # noqa: E402
 
 from dsparkjax.tiny import tiny_pair, write_tiny_pair  # noqa: E402
@@ -24,6 +27,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop every compiled program when a test module ends.
+
+    Each XLA CPU executable keeps its own memory mappings; the whole suite compiles thousands of programs, and
+    holding them all ran the process towards the kernel's map limit (vm.max_map_count, 65530) until XLA's CPU
+    compiler crashed (SIGSEGV/SIGABRT) late in the suite. Programs are cached by JAX and by lru_cache'd builders
+    (the package's compiled steps, the tests' model helpers), so both are cleared.
+    """
+    yield
+    jax.clear_caches()
+    for obj in gc.get_objects():
+        if isinstance(obj, functools._lru_cache_wrapper) and getattr(obj, "__module__", "").startswith(
+                ("dsparkjax", "test_", "model_helpers", "hf_reference")):
+            obj.cache_clear()
+    gc.collect()
 
 
 @pytest.fixture(scope="session")
