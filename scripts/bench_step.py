@@ -27,8 +27,8 @@ from absl import app, flags, logging
 from bench_generate import bench_model  # scripts/ is on sys.path
 from profile_generate import summarise
 
+from dsparkjax.decoding.program import step_program
 from dsparkjax.model.state import init_state
-from dsparkjax.target_api import compiled_step
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("widths", ["1", "6"], "step widths q to time")
@@ -52,7 +52,7 @@ def main(argv: list[str]) -> None:
     logging.set_verbosity(logging.WARNING)
     target, _, prompts = bench_model()
     cfg, batch = target.config, len(prompts)
-    step = compiled_step(cfg, target.options())
+    step = step_program(cfg, target.options())
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, {FLAGS.config} model, {FLAGS.dtype}, "
           f"recipe {FLAGS.recipe} ({target.kernels} matrices), batch {batch}")
     for q in (int(w) for w in FLAGS.widths):

@@ -18,9 +18,9 @@ import time
 from absl import app, flags, logging
 
 from dsparkjax import chat, runtime
+from dsparkjax.decoding.generate import generate
+from dsparkjax.decoding.proposer import load_drafter
 from dsparkjax.errors import DsparkError
-from dsparkjax.spec.generate import generate
-from dsparkjax.spec.proposer import load_drafter
 from dsparkjax.target_api import load_target
 from dsparkjax.tiny import default_pair
 
