@@ -27,8 +27,11 @@ class AotFunction:
     def __init__(self, fn: Callable[..., Any], *, donate_argnums: tuple[int, ...] = (),
                  static_argnums: tuple[int, ...] = (), donate_argnames: tuple[str, ...] = (),
                  static_argnames: tuple[str, ...] = ()):
-        self._jit = jax.jit(fn, donate_argnums=donate_argnums, static_argnums=static_argnums,
-                            donate_argnames=donate_argnames, static_argnames=static_argnames)
+        # Only the given ones are passed: jit then infers the others from the signature, so a donated or static
+        # argument named here is donated or static whether it is passed by position or by keyword.
+        given = dict(donate_argnums=donate_argnums, static_argnums=static_argnums, donate_argnames=donate_argnames,
+                     static_argnames=static_argnames)
+        self._jit = jax.jit(fn, **{k: v for k, v in given.items() if v})
         self._static = frozenset(static_argnums)
         self._static_names = frozenset(static_argnames)
         self._compiled: dict[Any, Any] = {}
