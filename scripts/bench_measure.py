@@ -133,8 +133,9 @@ class Runner:
                              widths=ints, width=width, ewma_decay=self.decay, sample=False)
 
     def step(self, state: DecodeState, seeds: jax.Array, drafts: jax.Array, widths: jax.Array, width: int
-             ) -> tuple[DecodeState, StepOutcome]:
-        """One decode step; returns (the committed state, the outcome). The loop's other values (active mask,
+             ) -> tuple[DecodeState, jax.Array, StepOutcome]:
+        """One decode step; returns (the committed state, the next seeds, the outcome). The next seeds are the
+        loop's, not the outcome's bonus buffer: the next step donates them, and the outcome is read later. The loop's other values (active mask,
         EWMA, key) come from this batch's last step (as generate threads them), so no step builds new buffers."""
         batch = seeds.shape[0]
         if batch not in self._loops:
@@ -143,7 +144,7 @@ class Runner:
                                         drafts=drafts, widths=widths, width=width, ewma_decay=self.decay,
                                         sample=False)
         self._loops[batch] = loop
-        return loop.state, outcome
+        return loop.state, loop.seeds, outcome
 
 
 def fresh(runner: Runner, batch: int, capacity: int, position: int) -> DecodeState:
@@ -188,8 +189,8 @@ def decode_run(runner: Runner, state: DecodeState, seeds: jax.Array, width: int,
             drafts, _ = propose(seeds, state.length)
         else:
             drafts, _ = plain_proposal(seeds, DEFAULT_BLOCK)  # generate's padding drafts
-        state, outcome = runner.step(state, seeds, drafts, widths, width)
-        seeds, dispatched = outcome.bonus, dispatched + 1
+        state, seeds, outcome = runner.step(state, seeds, drafts, widths, width)
+        dispatched += 1
         if pending is not None:
             read(pending)
         pending = (outcome.matched, outcome.bonus, outcome.candidates)
@@ -207,8 +208,7 @@ def queued_seconds(runner: Runner, state: DecodeState, seeds: jax.Array, drafts:
     widths = jnp.full(seeds.shape, width, jnp.int32)
     start = time.perf_counter()
     for _ in range(steps):
-        state, outcome = runner.step(state, seeds, drafts, widths, width)
-        seeds = outcome.bonus
+        state, seeds, _ = runner.step(state, seeds, drafts, widths, width)
     jax.block_until_ready(state)
     return time.perf_counter() - start
 
