@@ -172,6 +172,7 @@ def decode_run(runner: Runner, state: DecodeState, seeds: jax.Array, width: int,
     step k+1 is queued before step k's outcome is read. Stops after `steps` steps, or once every sequence
     has `tokens` tokens (the time taken when the last of those is read)."""
     batch = seeds.shape[0]
+    seeds = jnp.array(seeds, copy=True)  # the steps donate their seeds; the caller reuses its array across runs
     widths = jnp.full((batch,), width if propose else 1, jnp.int32)
     run = Run(0.0, [[] for _ in range(batch)], 0, 0)
 
@@ -206,6 +207,7 @@ def queued_seconds(runner: Runner, state: DecodeState, seeds: jax.Array, drafts:
     """Seconds of `steps` steps of `width` from `state` (donated) queued back to back, nothing read back: the
     device's cost plus dispatch."""
     widths = jnp.full(seeds.shape, width, jnp.int32)
+    seeds = jnp.array(seeds, copy=True)  # the steps donate their seeds; the caller reuses its array across runs
     start = time.perf_counter()
     for _ in range(steps):
         state, seeds, _ = runner.step(state, seeds, drafts, widths, width)
