@@ -3,8 +3,9 @@
 Public API: `load_target`, `forward`, `load_drafter`, `generate` (and the `Result` they return).
 """
 
-from dsparkjax.spec.generate import Result, generate
-from dsparkjax.spec.proposer import Drafter, load_drafter
-from dsparkjax.target_api import Target, forward, load_target
+from dsparkjax.decoding.forward import forward
+from dsparkjax.decoding.generate import Result, generate
+from dsparkjax.decoding.proposer import Drafter, load_drafter
+from dsparkjax.target_api import Target, load_target
 
 __all__ = ["Drafter", "Result", "Target", "forward", "generate", "load_drafter", "load_target"]

@@ -1,7 +1,7 @@
 """Ahead-of-time compiled functions: one XLA executable per argument signature, compiled once and reused.
 
-`generate` compiles every program a run can need (each step width, the proposer's calls, its decode loop's
-helpers) before it starts its clock, so tok/s measures decoding, not XLA.
+`Decoder.compile` builds every program a run can need (each step width, the proposer's calls, the loop's
+helpers) before `generate` starts its clock, so tok/s measures decoding, not XLA.
 """
 
 from __future__ import annotations
@@ -19,26 +19,36 @@ class AotFunction:
     """`jax.jit(fn)` whose executables can be compiled ahead of time (`compile`) for given argument shapes.
 
     Calls go through jit's own C++ dispatch (microseconds); an executable compiled by `compile` sits in
-    JAX's compilation cache, so the first call with those shapes does not compile again. Arguments may be
-    arrays or `jax.ShapeDtypeStruct`s when compiling, static ones (`static_argnums`) their hashable values;
-    donated arguments stay donated.
+    JAX's compilation cache, so the first call with those shapes neither traces nor compiles again.
+    Arguments, positional or keyword, may be arrays or `jax.ShapeDtypeStruct`s when compiling, static ones
+    (`static_argnums` / `static_argnames`) their hashable values; donated arguments stay donated.
     """
 
     def __init__(self, fn: Callable[..., Any], *, donate_argnums: tuple[int, ...] = (),
-                 static_argnums: tuple[int, ...] = ()):
-        self._jit = jax.jit(fn, donate_argnums=donate_argnums, static_argnums=static_argnums)
+                 static_argnums: tuple[int, ...] = (), donate_argnames: tuple[str, ...] = (),
+                 static_argnames: tuple[str, ...] = ()):
+        # Only the given ones are passed: jit then infers the others from the signature, so a donated or static
+        # argument named here is donated or static whether it is passed by position or by keyword.
+        given = dict(donate_argnums=donate_argnums, static_argnums=static_argnums, donate_argnames=donate_argnames,
+                     static_argnames=static_argnames)
+        self._jit = jax.jit(fn, **{k: v for k, v in given.items() if v})
         self._static = frozenset(static_argnums)
+        self._static_names = frozenset(static_argnames)
         self._compiled: dict[Any, Any] = {}
 
-    def compile(self, *args: Any) -> Any:
-        """The executable for arguments shaped like `args` (compiled on first request)."""
-        spec = tuple(a if i in self._static else jax.tree.map(_abstract, a) for i, a in enumerate(args))
-        leaves, treedef = jax.tree.flatten([a for i, a in enumerate(spec) if i not in self._static])
-        static = tuple(a for i, a in enumerate(spec) if i in self._static)
+    def compile(self, *args: Any, **kwargs: Any) -> Any:
+        """The executable for arguments shaped like `args` and `kwargs` (compiled on first request)."""
+        args = tuple(a if i in self._static else jax.tree.map(_abstract, a) for i, a in enumerate(args))
+        kwargs = {k: v if k in self._static_names else jax.tree.map(_abstract, v) for k, v in kwargs.items()}
+        dynamic = ([a for i, a in enumerate(args) if i not in self._static],
+                   {k: v for k, v in kwargs.items() if k not in self._static_names})
+        leaves, treedef = jax.tree.flatten(dynamic)
+        static = (tuple(a for i, a in enumerate(args) if i in self._static),
+                  tuple(sorted((k, v) for k, v in kwargs.items() if k in self._static_names)))
         key = (treedef, tuple((x.shape, x.dtype) for x in leaves), static)
         if key not in self._compiled:
-            self._compiled[key] = self._jit.lower(*spec).compile()
+            self._compiled[key] = self._jit.lower(*args, **kwargs).compile()
         return self._compiled[key]
 
-    def __call__(self, *args: Any) -> Any:
-        return self._jit(*args)
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._jit(*args, **kwargs)

@@ -48,3 +48,11 @@ class UnsupportedTypeError(DsparkError):
 
 class DeviceMemoryError(DsparkError):
     """Weights or a decode state that cannot fit the device memory JAX may use."""
+
+
+class ArgumentError(DsparkError, ValueError):
+    """A call's argument of the wrong type or out of its range (named in the message)."""
+
+
+class CapacityError(DsparkError):
+    """A step that does not fit the decode state it runs on: wider than its rings or past its length."""

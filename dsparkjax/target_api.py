@@ -1,20 +1,16 @@
-"""Public entry points for the target: load a GGUF, run full-sequence forwards, get compiled steps.
+"""The loaded target: `load_target` opens and checks a target GGUF and loads its weights into a `Target`.
 
-`load_target` opens and checks a target GGUF and loads its weights; `forward` runs a batch of sequences from
-position 0 through the same step machinery decoding uses, in chunks; `compiled_step` returns the jitted
-step for a config and options (one XLA program per step width q, compiled on first use and reused).
+Running it is decoding's job (`dsparkjax/decoding/`: `forward`, `generate`, the step programs).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 
-from dsparkjax.aot import AotFunction
 from dsparkjax.config import TargetConfig
 from dsparkjax.errors import DsparkError, TokenIdError
 from dsparkjax import formats
@@ -23,8 +19,7 @@ from dsparkjax.ggufio.reader import GGUFFile
 from dsparkjax.kernels.policy import KernelPolicy
 from dsparkjax.model.params import TargetParams, load_target_params
 from dsparkjax.model.sources import load_streamed
-from dsparkjax.model.state import commit, init_state
-from dsparkjax.model.target import StepOptions, TargetModel
+from dsparkjax.model.target import StepOptions
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 KERNEL_CHOICES = ("auto", "dequantize", "ffi", "reference")  # load_target's `kernels`
@@ -101,39 +96,3 @@ def _kernel_choice(kernels: str, file: GGUFFile) -> str:
         return kernels
     quantized = any(formats.block_size(t.ggml_type) > 1 for t in file.tensors.values())
     return kernel_ops.default_backend() if quantized else "dequantize"
-
-
-@functools.lru_cache(maxsize=None)
-def compiled_step(cfg: TargetConfig, options: StepOptions) -> AotFunction:
-    """The target step for (config, options): `step(params, state, tokens)`, one executable per width.
-
-    The state argument is donated: its buffers are reused for the new state.
-    """
-    return AotFunction(TargetModel(cfg, options).step, donate_argnums=(1,))
-
-
-def forward(target: Target, token_ids: Any, *, chunk: int = 16) -> np.ndarray:
-    """Full-sequence forward from position 0.
-
-    Args:
-      token_ids: int `[B, T]`.
-      chunk: tokens per step (the same step function decoding uses).
-    Returns:
-      float32 numpy `[B, T, V]` logits.
-    """
-    tokens = np.asarray(token_ids, dtype=np.int64)
-    if tokens.ndim != 2:
-        raise DsparkError(f"token_ids must be [batch, length], got shape {tokens.shape}")
-    target.check_tokens(tokens)
-    batch, length = tokens.shape
-    chunk = max(1, min(chunk, length))
-    padded = -(-length // chunk) * chunk
-    tokens = np.pad(tokens, ((0, 0), (0, padded - length))).astype(np.int32)
-    step = compiled_step(target.config, target.options())
-    state = init_state(target.config, batch, padded, chunk, target.dtype)
-    logits = []
-    for start in range(0, padded, chunk):
-        out, _, state = step(target.params, state, jnp.asarray(tokens[:, start : start + chunk]))
-        state = commit(state, jnp.full((batch,), chunk, jnp.int32))
-        logits.append(out)
-    return np.asarray(jnp.concatenate(logits, axis=1))[:, :length]

@@ -29,8 +29,9 @@ from dsparkjax.formats import GGMLType
 from dsparkjax.ggufio.contract import TensorSpec, drafter_tensor_specs, target_tensor_specs
 from dsparkjax.ggufio.reader import TensorInfo
 from dsparkjax.ggufio.writer import RECIPES, RawTensor, recipe_type, write_model_gguf, write_sparse_gguf
-from dsparkjax.kernels import dequantize, synthetic
+from dsparkjax.kernels import dequantize
 from dsparkjax.model.sources import packs, stored_form
+from dsparkjax.testing import synthetic
 
 Params = dict[str, np.ndarray | RawTensor]
 

@@ -17,9 +17,9 @@ import json
 from absl import app, flags, logging
 
 from dsparkjax.embedded import embedded_pair
-from dsparkjax.spec.generate import generate
-from dsparkjax.spec.proposer import load_drafter
-from dsparkjax.spec.width import WidthPolicy
+from dsparkjax.decoding.generate import generate
+from dsparkjax.decoding.proposer import load_drafter
+from dsparkjax.decoding.width import WidthPolicy
 from dsparkjax.target_api import load_target
 from dsparkjax.training.corpus import held_out_prompts
 

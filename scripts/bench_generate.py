@@ -30,13 +30,13 @@ from absl import app, flags, logging
 
 from dsparkjax import footprint
 from dsparkjax.config import DrafterConfig, TargetConfig, deepseek_v4_flash, dspark_flash, tiny_drafter, tiny_target
+from dsparkjax.decoding.generate import Result, generate
+from dsparkjax.decoding.proposer import Drafter, load_drafter
 from dsparkjax.ggufio.writer import RECIPES
 from dsparkjax.kernels.policy import KernelPolicy
-from dsparkjax.spec.generate import Result, generate
-from dsparkjax.spec.oracle import oracle_for
-from dsparkjax.spec.proposer import Drafter, load_drafter
 from dsparkjax.target_api import KERNEL_CHOICES, Target, load_target
-from dsparkjax.timing import copy_bandwidth
+from dsparkjax.testing.oracle import oracle_for
+from dsparkjax.testing.timing import copy_bandwidth
 from dsparkjax.tiny import write_tiny_pair
 
 _CONFIG = flags.DEFINE_enum("config", "wide", ["tiny", "wide", "ds4"], "Random model shape (ds4: DS4's own "

@@ -21,8 +21,8 @@ import numpy as np
 from absl import app, flags
 
 from dsparkjax import kernels
-from dsparkjax.kernels import synthetic
-from dsparkjax.timing import seconds_per_call
+from dsparkjax.testing import synthetic
+from dsparkjax.testing.timing import seconds_per_call
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("shapes", ["64x512", "384x512", "1x4096", "6x4096", "384x4096"], "TxD shapes")

@@ -2,7 +2,7 @@
 
 For each format, shape and T = 1..--t_max: device time per call, achieved GB/s of weight bytes read (each
 distinct expert counted once), that as a fraction of the device copy bandwidth measured in the same run
-(read + write of --copy_mib buffers, timed by the same slope: `dsparkjax.timing.copy_bandwidth`), and the
+(read + write of --copy_mib buffers, timed by the same slope: `dsparkjax.testing.timing.copy_bandwidth`), and the
 ratio time(T) / time(first T).
 
 The time per call is the slope between a program of --calls and one of 2·--calls calls (so the program's
@@ -33,9 +33,9 @@ from absl import app, flags
 
 from dsparkjax import kernels
 from dsparkjax.formats import GGMLType
-from dsparkjax.kernels import synthetic
 from dsparkjax.model import weights as model_weights
-from dsparkjax.timing import copy_bandwidth, seconds_per_call
+from dsparkjax.testing import synthetic
+from dsparkjax.testing.timing import copy_bandwidth, seconds_per_call
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list(

@@ -1,7 +1,7 @@
 """The measurements of scripts/bench.py, run in its child processes (bench.py holds the flags, the JSON's
 fields and the table; docs/bench.md describes what each measurement does and why).
 
-Decoding is driven here as `generate` drives it (the decode program of spec/decode.py, each step's outcome
+Decoding is driven here as `generate` drives it (the decode program of decoding/program.py, each step's outcome
 read back one step later), on states set up directly: a state "at position P" is a fresh state whose
 committed length is set to P (`commit`), so a 64k-token context costs no 64k-token prefill. What a step
 reads from the cache does not depend on the cached values, only on the length and the capacity.
@@ -27,18 +27,19 @@ from bench_results import (  # scripts/ is on sys.path
     READ_MODEL, STARTUP_PROMPT_TOKENS, Part, Settings, count_files, git_commit)
 from dsparkjax import footprint, kernels, runtime
 from dsparkjax.config import DrafterConfig, TargetConfig, deepseek_v4_flash, dspark_flash, tiny_drafter, tiny_target
+from dsparkjax.decoding.decoder import DEFAULT_BLOCK, plain_proposal
+from dsparkjax.decoding.generate import generate
+from dsparkjax.decoding.program import LoopState, StepOutcome, decode_program
+from dsparkjax.decoding.proposer import Drafter, load_drafter
+from dsparkjax.decoding.width import WidthPolicy
 from dsparkjax.ggufio.reader import open_gguf
 from dsparkjax.ggufio.writer import QUANT_RECIPE_KEY
 from dsparkjax.model.params import load_drafter_params, load_target_params
 from dsparkjax.model.sources import ShapeSource
 from dsparkjax.model.state import DecodeState, commit, init_state
-from dsparkjax.spec.decode import DecodeOutputs, decode_program
-from dsparkjax.spec.generate import DEFAULT_BLOCK, _seed_padding, generate
-from dsparkjax.spec.oracle import OracleProposer
-from dsparkjax.spec.proposer import Drafter, load_drafter
-from dsparkjax.spec.width import WidthPolicy
 from dsparkjax.target_api import DTYPES, Target, load_target
-from dsparkjax.timing import copy_bandwidth
+from dsparkjax.testing.oracle import OracleProposer
+from dsparkjax.testing.timing import copy_bandwidth
 from dsparkjax.tiny import random_sources
 
 RANDOM = "random on the device"
@@ -107,14 +108,18 @@ def meta(s: Settings, model: Model, configured: runtime.Settings) -> dict[str, A
 
 
 class Runner:
-    """The target's decode program (spec/decode.py) and the arguments generate passes it, for one model."""
+    """The target's decode program (decoding/program.py) and the arguments generate passes it, for one model."""
 
     def __init__(self, target: Target):
         self.target = target
         self.program = decode_program(target.config, target.options())
         self.decay = WidthPolicy().ewma_decay  # generate's default policy: the programs it compiles
-        self.temperature, self.key = jnp.float32(1e-6), jax.random.PRNGKey(0)
-        self._fixed: dict[int, tuple[jax.Array, jax.Array]] = {}  # batch -> (active, ewma), made once as generate does
+        self._loops: dict[int, LoopState] = {}  # batch -> the last step's loop: its buffers are reused
+
+    @staticmethod
+    def loop(state: DecodeState, seeds: Any, active: Any, ewma: Any) -> LoopState:
+        return LoopState(state=state, proposer=None, seeds=seeds, ewma=ewma, key=jax.random.PRNGKey(0),
+                         temperature=jnp.float32(1e-6), active=active)
 
     def state(self, batch: int, capacity: int) -> DecodeState:
         return init_state(self.target.config, batch, capacity, EXACT_WIDTH, self.target.dtype)
@@ -122,19 +127,24 @@ class Runner:
     def compile(self, batch: int, capacity: int, width: int) -> None:
         ints = jax.ShapeDtypeStruct((batch,), jnp.int32)
         state = jax.eval_shape(lambda: self.state(batch, capacity))
-        self.program.compile(self.target.params, state, ints, jax.ShapeDtypeStruct((batch, DEFAULT_BLOCK), jnp.int32),
-                             ints, jax.ShapeDtypeStruct((batch,), jnp.bool_),
-                             jax.ShapeDtypeStruct((batch,), jnp.float32), self.temperature, self.key, width,
-                             self.decay, False)
+        loop = self.loop(state, ints, jax.ShapeDtypeStruct((batch,), jnp.bool_),
+                         jax.ShapeDtypeStruct((batch,), jnp.float32))
+        self.program.compile(self.target.params, loop, drafts=jax.ShapeDtypeStruct((batch, DEFAULT_BLOCK), jnp.int32),
+                             widths=ints, width=width, ewma_decay=self.decay, sample=False)
 
     def step(self, state: DecodeState, seeds: jax.Array, drafts: jax.Array, widths: jax.Array, width: int
-             ) -> DecodeOutputs:
+             ) -> tuple[DecodeState, jax.Array, StepOutcome]:
+        """One decode step; returns (the committed state, the next seeds, the outcome). The next seeds are the
+        loop's, not the outcome's bonus buffer: the next step donates them, and the outcome is read later. The loop's other values (active mask,
+        EWMA, key) come from this batch's last step (as generate threads them), so no step builds new buffers."""
         batch = seeds.shape[0]
-        if batch not in self._fixed:
-            self._fixed[batch] = jnp.ones((batch,), bool), jnp.zeros((batch,), jnp.float32)
-        active, ewma = self._fixed[batch]
-        return self.program(self.target.params, state, seeds, drafts, widths, active, ewma, self.temperature,
-                            self.key, width, self.decay, False)
+        if batch not in self._loops:
+            self._loops[batch] = self.loop(state, seeds, jnp.ones((batch,), bool), jnp.zeros((batch,), jnp.float32))
+        loop, _, outcome = self.program(self.target.params, self._loops[batch].replace(state=state, seeds=seeds),
+                                        drafts=drafts, widths=widths, width=width, ewma_decay=self.decay,
+                                        sample=False)
+        self._loops[batch] = loop
+        return loop.state, loop.seeds, outcome
 
 
 def fresh(runner: Runner, batch: int, capacity: int, position: int) -> DecodeState:
@@ -162,6 +172,7 @@ def decode_run(runner: Runner, state: DecodeState, seeds: jax.Array, width: int,
     step k+1 is queued before step k's outcome is read. Stops after `steps` steps, or once every sequence
     has `tokens` tokens (the time taken when the last of those is read)."""
     batch = seeds.shape[0]
+    seeds = jnp.array(seeds, copy=True)  # the steps donate their seeds; the caller reuses its array across runs
     widths = jnp.full((batch,), width if propose else 1, jnp.int32)
     run = Run(0.0, [[] for _ in range(batch)], 0, 0)
 
@@ -178,12 +189,12 @@ def decode_run(runner: Runner, state: DecodeState, seeds: jax.Array, width: int,
         if propose is not None:
             drafts, _ = propose(seeds, state.length)
         else:
-            drafts = _seed_padding(seeds, DEFAULT_BLOCK)  # generate's padding drafts
-        out = runner.step(state, seeds, drafts, widths, width)
-        state, seeds, dispatched = out.state, out.outcome.bonus, dispatched + 1
+            drafts, _ = plain_proposal(seeds, DEFAULT_BLOCK)  # generate's padding drafts
+        state, seeds, outcome = runner.step(state, seeds, drafts, widths, width)
+        dispatched += 1
         if pending is not None:
             read(pending)
-        pending = (out.outcome.matched, out.outcome.bonus, out.outcome.candidates)
+        pending = (outcome.matched, outcome.bonus, outcome.candidates)
     if steps is not None and pending is not None:
         read(pending)
     run.seconds = time.perf_counter() - start
@@ -196,10 +207,10 @@ def queued_seconds(runner: Runner, state: DecodeState, seeds: jax.Array, drafts:
     """Seconds of `steps` steps of `width` from `state` (donated) queued back to back, nothing read back: the
     device's cost plus dispatch."""
     widths = jnp.full(seeds.shape, width, jnp.int32)
+    seeds = jnp.array(seeds, copy=True)  # the steps donate their seeds; the caller reuses its array across runs
     start = time.perf_counter()
     for _ in range(steps):
-        out = runner.step(state, seeds, drafts, widths, width)
-        state, seeds = out.state, out.outcome.bonus
+        state, seeds, _ = runner.step(state, seeds, drafts, widths, width)
     jax.block_until_ready(state)
     return time.perf_counter() - start
 

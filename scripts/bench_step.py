@@ -33,8 +33,8 @@ from absl import app, flags, logging
 from bench_generate import bench_model  # scripts/ is on sys.path
 from profile_generate import summarise
 
+from dsparkjax.decoding.program import step_program
 from dsparkjax.model.state import init_state
-from dsparkjax.target_api import compiled_step
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("widths", ["1", "6"], "step widths q to time")
@@ -90,7 +90,7 @@ def main(argv: list[str]) -> None:
     options = target.options()
     if FLAGS.indexer != "auto":
         options = dataclasses.replace(options, policy=dataclasses.replace(options.policy, indexer_backend=FLAGS.indexer))
-    step = compiled_step(cfg, options)
+    step = step_program(cfg, options)
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, {FLAGS.config} model, {FLAGS.dtype}, "
           f"recipe {FLAGS.recipe} ({target.kernels} matrices, {options.policy.indexer_backend} indexer), batch {batch}")
     cases = parse_cases(FLAGS.cases) or [(None, FLAGS.context)]

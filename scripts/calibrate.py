@@ -21,9 +21,10 @@ from absl import app, flags, logging
 
 from dsparkjax.embedded import embedded_pair
 from dsparkjax.model.state import init_state
-from dsparkjax.spec.generate import generate
-from dsparkjax.spec.proposer import load_drafter
-from dsparkjax.target_api import compiled_step, load_target
+from dsparkjax.decoding.generate import generate
+from dsparkjax.decoding.proposer import load_drafter
+from dsparkjax.decoding.program import step_program
+from dsparkjax.target_api import load_target
 from dsparkjax.training.corpus import held_out_prompts
 
 _TARGET = flags.DEFINE_string("target", None, "Target GGUF (default: the embedded target).")
@@ -43,7 +44,7 @@ def draft_everywhere(target, drafter, sequences: np.ndarray, first: int) -> tupl
     s >= first of the sequences int `[B, T]` (seed = token s, context = positions < s)."""
     b, t = sequences.shape
     width = drafter.block_size
-    step = compiled_step(target.config, target.options(drafter.capture_layers))
+    step = step_program(target.config, target.options(drafter.capture_layers))
     _, features, _ = step(target.params, init_state(target.config, b, t, t, target.dtype), jnp.asarray(sequences))
     state = drafter.absorb(drafter.init_state(b, t), features, jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)))
     confidences, matches = [], []

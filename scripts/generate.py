@@ -18,10 +18,10 @@ import time
 from absl import app, flags, logging
 
 from dsparkjax import chat, cli_inputs, runtime
+from dsparkjax.decoding.generate import generate
+from dsparkjax.decoding.proposer import load_drafter
 from dsparkjax.embedded import embedded_pair
 from dsparkjax.errors import DsparkError
-from dsparkjax.spec.generate import generate
-from dsparkjax.spec.proposer import load_drafter
 from dsparkjax.target_api import load_target
 
 DEFAULT_PROMPTS = (  # the embedded pair writes Python (it was trained on the standard library)

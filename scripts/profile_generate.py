@@ -23,7 +23,7 @@ import numpy as np
 from absl import app, flags, logging
 from bench_generate import bench_model  # scripts/ is on sys.path
 
-from dsparkjax.spec.generate import generate
+from dsparkjax.decoding.generate import generate
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("top", 20, "kernels listed per plane")

@@ -38,8 +38,8 @@ from bench_kernels import (  # scripts/ is on sys.path
 )
 
 from dsparkjax.formats import GGMLType
-from dsparkjax.kernels import synthetic
-from dsparkjax.timing import device_copy
+from dsparkjax.testing import synthetic
+from dsparkjax.testing.timing import device_copy
 
 FLAGS = flags.FLAGS
 # --formats, --shapes and --t_rows are bench_kernels.py's flags.

@@ -22,7 +22,8 @@ TOKENS = np.array([[1, 7, 42, 300, 5, 9, 11, 260, 3, 4]])  # ids below the fuzze
 
 def run_one(path: str) -> dict:
     from dsparkjax.errors import DsparkError
-    from dsparkjax.target_api import forward, load_target
+    from dsparkjax.decoding.forward import forward
+    from dsparkjax.target_api import load_target
 
     try:
         target = load_target(path)

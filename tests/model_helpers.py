@@ -12,9 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsparkjax.config import DrafterConfig, TargetConfig, tiny_drafter, tiny_target
+from dsparkjax.decoding.program import step_program
 from dsparkjax.ggufio import write_model_gguf
 from dsparkjax.model.state import DecodeState, commit, init_state
-from dsparkjax.target_api import Target, compiled_step, load_target
+from dsparkjax.target_api import Target, load_target
 from dsparkjax.tiny import tiny_pair, write_tiny_pair
 
 MAX_STEP = 16
@@ -37,7 +38,7 @@ def tiny_pair_paths(seed: int = 0) -> tuple[str, str]:
 
 
 def step_fn(target: Target, capture: tuple[int, ...] = ()):
-    return compiled_step(target.config, target.options(capture))
+    return step_program(target.config, target.options(capture))
 
 
 def fresh_state(target: Target, batch: int, max_len: int = 96) -> DecodeState:

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from dsparkjax.embedded import embedded_pair
-from dsparkjax.spec.generate import generate
-from dsparkjax.spec.proposer import load_drafter
+from dsparkjax.decoding.generate import generate
+from dsparkjax.decoding.proposer import load_drafter
 from dsparkjax.target_api import load_target
 
 PROMPT = "class Parser:\n    def __init__(self, text):\n"

@@ -28,8 +28,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import hf_reference as hfr
 
 from dsparkjax.config import CSA_RATIO, tiny_target, yarn_ramp
+from dsparkjax.decoding.forward import forward
 from dsparkjax.ggufio import write_model_gguf
-from dsparkjax.target_api import forward, load_target
+from dsparkjax.target_api import load_target
 from dsparkjax.tiny import tiny_pair
 
 pytestmark = pytest.mark.hf

@@ -18,11 +18,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dsparkjax import formats, kernels, timing
+from dsparkjax import formats, kernels
 from dsparkjax.errors import DsparkError, FormatError, UnsupportedTypeError
+from dsparkjax.testing import timing
 from dsparkjax.formats import GGMLType, block_size, type_size
-from dsparkjax.kernels import synthetic
 from dsparkjax.model import hc as hc_ref
+from dsparkjax.testing import synthetic, timing
 
 TYPES = sorted(kernels.KERNEL_TYPES)
 INT_PATH_TYPES = [GGMLType.Q8_0, GGMLType.Q2_K, GGMLType.Q4_K, GGMLType.IQ2_XXS]  # the formats of the GPU integer path

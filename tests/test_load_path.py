@@ -18,13 +18,13 @@ import pytest
 
 from dsparkjax import footprint, runtime
 from dsparkjax.config import deepseek_v4_flash, dspark_flash, tiny_drafter, tiny_target
+from dsparkjax.decoding.generate import generate
+from dsparkjax.decoding.proposer import load_drafter
 from dsparkjax.errors import DeviceMemoryError
 from dsparkjax.ggufio import open_drafter, open_target
 from dsparkjax.kernels import dequantize
 from dsparkjax.model.params import load_target_params
 from dsparkjax.model.sources import ShapeSource, packs
-from dsparkjax.spec.generate import generate
-from dsparkjax.spec.proposer import load_drafter
 from dsparkjax.target_api import load_target
 from dsparkjax.tiny import random_sources, write_sparse_pair, write_tiny_pair
 
@@ -211,7 +211,7 @@ def test_programs_with_ffi_calls_persist_across_processes(tmp_path):
 import json, os, sys
 from dsparkjax import runtime
 cache = runtime.configure().cache_dir
-from dsparkjax.spec.generate import generate
+from dsparkjax.decoding.generate import generate
 from dsparkjax.target_api import load_target
 
 def files():

@@ -18,22 +18,23 @@ import numpy as np
 import pytest
 
 from dsparkjax import kernels
+from dsparkjax.decoding import decoder as decoder_module
+from dsparkjax.decoding.forward import forward
+from dsparkjax.decoding.generate import generate
+from dsparkjax.decoding.proposer import load_drafter
 from dsparkjax.errors import DsparkError
 from dsparkjax.formats import GGMLType
 from dsparkjax.ggufio.contract import target_tensor_specs
 from dsparkjax.ggufio.writer import RawTensor, write_model_gguf
+from dsparkjax.decoding.program import step_program
 from dsparkjax.kernels import policy as kernel_policy
-from dsparkjax.kernels import synthetic
 from dsparkjax.kernels.policy import KernelPolicy
 from dsparkjax.model import weights
-from dsparkjax.model.weights import PackedWeight
-from dsparkjax.spec import generate as generate_module
-from dsparkjax.spec.generate import generate
-from dsparkjax.spec.oracle import oracle_for
-from dsparkjax.spec.proposer import load_drafter
-from dsparkjax import target_api
 from dsparkjax.model.state import init_state
-from dsparkjax.target_api import forward, load_target
+from dsparkjax.model.weights import PackedWeight
+from dsparkjax.target_api import load_target
+from dsparkjax.testing import synthetic
+from dsparkjax.testing.oracle import oracle_for
 from dsparkjax.tiny import random_params, write_tiny_pair
 from model_helpers import recipe_configs
 
@@ -105,11 +106,12 @@ def test_generation_compiles_the_targets_own_step(monkeypatch):
     target = load_target(target_path, kernels="ffi")
     drafter = load_drafter(draft_path, target)
     seen = []
-    compiled_step = generate_module.compiled_step
-    monkeypatch.setattr(generate_module, "compiled_step",
-                        lambda cfg, options: seen.append(options) or compiled_step(cfg, options))
+    for name in ("prefill_program", "decode_program"):
+        program = getattr(decoder_module, name)
+        monkeypatch.setattr(decoder_module, name,
+                            lambda cfg, options, program=program: seen.append(options) or program(cfg, options))
     generate(target, [[3, 4, 5]], drafter=drafter, mode="ar", max_new_tokens=2, stop_tokens=())
-    assert seen == [target.options(drafter.capture_layers)]
+    assert seen and set(seen) == {target.options(drafter.capture_layers)}
     assert seen[0].policy.hc_backend == "ffi"
 
 
@@ -121,8 +123,7 @@ def test_two_kernel_policies_compile_two_programs():
     kernel_target = load_target(target_path, kernels="ffi", simulate_qat=False)
     copy_target = dataclasses.replace(kernel_target, policy=KernelPolicy(gemm_min_rows=1))
     assert kernel_target.options() != copy_target.options()
-    steps = [target_api.compiled_step(t.config, t.options()) for t in (kernel_target, copy_target)]
-    assert steps[0] is not steps[1]
+    steps = [step_program(t.config, t.options()) for t in (kernel_target, copy_target)]
     state = init_state(kernel_target.config, 1, 8, 2, kernel_target.dtype)
     tokens = jax.ShapeDtypeStruct((1, 2), jnp.int32)
     calls = [step.compile(kernel_target.params, state, tokens).as_text().count('"dspark_qmatmul"') for step in steps]

@@ -19,7 +19,8 @@ import pytest
 from dsparkjax import generate
 from dsparkjax.config import tiny_target
 from dsparkjax.ggufio import write_model_gguf
-from dsparkjax.target_api import Target, forward, load_target
+from dsparkjax.decoding.forward import forward
+from dsparkjax.target_api import Target, load_target
 from dsparkjax.tiny import tiny_pair
 from model_helpers import decode_single, fresh_state, max_rel_err, prefill, random_tokens, tiny_target_model
 

@@ -30,14 +30,14 @@ from model_helpers import (
     visible_state,
 )
 
+from dsparkjax.decoding.generate import generate
+from dsparkjax.decoding.proposer import load_drafter
 from dsparkjax.errors import DsparkError, TokenIdError
 from dsparkjax.model.drafter import DrafterModel
 from dsparkjax.model.layers import rms_norm
-from dsparkjax.spec.generate import generate
-from dsparkjax.spec.oracle import oracle_for
-from dsparkjax.spec.proposer import load_drafter
-from dsparkjax.spec.width import WidthPolicy, accepted_candidates, ewma_update
+from dsparkjax.decoding.width import WidthPolicy, accepted_candidates, ewma_update
 from dsparkjax.target_api import load_target
+from dsparkjax.testing.oracle import oracle_for
 
 VOCAB = 512
 
@@ -123,36 +123,36 @@ def test_plain_fast_mode_queues_ahead_and_stops_each_sequence_on_time():
 
 
 def _watch_programs(monkeypatch, on_call, on_compile=lambda width: None) -> None:
-    """Patch generate's target programs (the prefill step and the decode step) so that every call and compile
+    """Patch generate's target programs (the prefill chunk and the decode step) so that every call and compile
     first reports its row count to on_call / on_compile."""
-    import dsparkjax.spec.generate as gen
+    import dsparkjax.decoding.decoder as decoder
 
     def watched(make, width_of):
         def make_watched(*args):
             program = make(*args)
 
-            def call(*call_args):
-                on_call(width_of(call_args))
-                return program(*call_args)
+            def call(*call_args, **kwargs):
+                on_call(width_of(kwargs))
+                return program(*call_args, **kwargs)
 
-            def compile(*compile_args):
-                on_compile(width_of(compile_args))
-                return program.compile(*compile_args)
+            def compile(*compile_args, **kwargs):
+                on_compile(width_of(kwargs))
+                return program.compile(*compile_args, **kwargs)
 
             call.compile = compile
             return call
 
         return make_watched
 
-    monkeypatch.setattr(gen, "compiled_step", watched(gen.compiled_step, lambda args: args[2].shape[1]))
-    monkeypatch.setattr(gen, "decode_program", watched(gen.decode_program, lambda args: args[9]))
+    monkeypatch.setattr(decoder, "prefill_program", watched(decoder.prefill_program, lambda kw: kw["tokens"].shape[1]))
+    monkeypatch.setattr(decoder, "decode_program", watched(decoder.decode_program, lambda kw: kw["width"]))
 
 
 @pytest.mark.parametrize("verify", ["exact", "fast"])
 def test_plain_decoding_queues_a_step_before_reading_one_back(monkeypatch, verify):
     """The device never waits for the host in plain decoding, either mode: the second decode step is queued
     before the first one's outcome is read back (fast mode used to read each step first, generation run 11)."""
-    import dsparkjax.spec.generate as gen
+    import dsparkjax.decoding.engine as gen
 
     events = []
     real_get = gen.jax.device_get
@@ -174,7 +174,7 @@ def test_plain_decoding_compiles_only_the_widths_it_dispatches(monkeypatch, veri
     """Before its clock starts, plain decoding compiles the prefill chunk's program and the one width it
     decodes with (exact: block + 1; fast: 1), not every width fast speculative decoding needs (each width of a
     DS4-sized model takes tens of seconds to compile), and it dispatches no width it did not compile."""
-    import dsparkjax.spec.generate as gen
+    import dsparkjax.decoding.decoder as gen
 
     compiled, dispatched = set(), set()
     _watch_programs(monkeypatch, on_call=dispatched.add, on_compile=compiled.add)
@@ -194,7 +194,7 @@ def test_generate_compiles_nothing_after_its_clock_starts(monkeypatch, mode, ver
     seen these shapes (7 sequences: a batch no other test uses)."""
     import jax
 
-    import dsparkjax.spec.generate as gen
+    import dsparkjax.decoding.generate as gen
 
     target, drafter = pair()
     clock, late = {"started": False}, []

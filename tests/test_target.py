@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from dsparkjax.decoding.forward import forward
 from dsparkjax.errors import TokenIdError
 from dsparkjax.model.state import commit, reset
-from dsparkjax.target_api import forward
 from model_helpers import assert_states_close, decode_single, fresh_state, max_rel_err, prefill, random_tokens, step_fn, tiny_target_model, visible_state
 
 EXACT_WIDTH = 6  # the fixed program width of exact verification (seed + 5 candidates)

@@ -4,7 +4,8 @@ Per `dspark.md` §1.3 and DeepSeek's own code (`dspark_reference.md`):
 - context: the captured target features of committed positions p (mean over HC streams after the capture
   layers, concatenated) go through `main_x = RMSNorm(main_proj(features))`, and each stage projects
   `main_x` with its own `wkv`/`kv_norm` into context kv rows, roped at p (base 10000, no YaRN). They are
-  kept in a per-stage ring tagged with positions, so only accepted positions are ever visible;
+  kept in a per-stage position ring (`model/ring.py`, as the target's window), so only accepted positions
+  are ever visible;
 - proposal: the block `[seed, MASK, …]` at positions seed_pos + j, embedded with the target's table,
   runs through the stages (attention over the ≤ window context rows before seed_pos plus all block rows,
   bidirectional, with sinks; a top-k MoE without hash routing), the sigmoid HC head, the drafter's own norm
@@ -19,7 +20,9 @@ import jax.numpy as jnp
 from flax import struct
 
 from dsparkjax.config import DrafterConfig
+from dsparkjax.errors import CapacityError
 from dsparkjax.kernels.policy import KernelPolicy, routed
+from dsparkjax.model import ring
 from dsparkjax.model.block import attend, attention_output, block_forward, kv_rows, moe_output, query_heads
 from dsparkjax.model.hc import hc_head
 from dsparkjax.model.layers import rms_norm, rope_frequencies, route
@@ -29,17 +32,18 @@ from dsparkjax.model.weights import linear
 
 @struct.dataclass
 class DrafterState:
-    """Context kv rows of every stage, in rings tagged with the position each slot holds."""
+    """Context kv rows of every stage, in position rings (`model/ring.py`) sized for steps of `max_step` rows."""
 
-    context_kv: tuple[jax.Array, ...]  # per stage [B, R, d] (cache dtype)
-    context_pos: jax.Array  # int32 [B, R], −1 = empty
+    context_kv: tuple[jax.Array, ...]  # per stage [B, R, d] (cache dtype), position p at slot p % R
+    last_position: jax.Array  # int32 [B], the last position absorbed (−1: none)
+    max_step: int = struct.field(pytree_node=False)  # the widest absorbed step the rings were built for
 
 
 def init_drafter_state(cfg: DrafterConfig, batch: int, max_step: int, dtype: jnp.dtype) -> DrafterState:
-    """Empty context rings sized window + widest absorbed step, so rejected rows never evict visible ones."""
-    ring = cfg.sliding_window + max_step
-    kv = tuple(jnp.zeros((batch, ring, cfg.head_dim), dtype) for _ in range(cfg.num_stages))
-    return DrafterState(kv, jnp.full((batch, ring), -1, jnp.int32))
+    """Empty context rings sized window + widest absorbed step − 1, so rejected rows never evict visible ones."""
+    slots = ring.ring_size(cfg.sliding_window, max_step)
+    kv = tuple(jnp.zeros((batch, slots, cfg.head_dim), dtype) for _ in range(cfg.num_stages))
+    return DrafterState(kv, jnp.full((batch,), -1, jnp.int32), max_step)
 
 
 class DrafterModel:
@@ -55,19 +59,20 @@ class DrafterModel:
         """Project target features of positions `[B, C]` into every stage's context ring.
 
         Args:
-          features: float32 `[B, C, n_capture, D]` from the target step. Rows of positions that will not be
-            committed may be absorbed too: their tags are >= the committed length, so they stay invisible
-            until the same position is absorbed again.
+          features: float32 `[B, C, n_capture, D]` from the target step; positions: int32 `[B, C]`, consecutive
+            per sequence. Rows of positions that will not be committed may be absorbed too: they are at or
+            past the committed length, so they stay invisible until the same position is absorbed again.
+        Raises CapacityError (while tracing) for more than `state.max_step` rows.
         """
         b, c = positions.shape
+        if c > state.max_step:
+            raise CapacityError(f"the drafter absorbed a step of {c} rows, wider than its context state's "
+                                f"max_step {state.max_step}: build it with max_step >= {c}")
         main_x = rms_norm(linear(features.reshape(b, c, -1), params.fc), params.hidden_norm, self.cfg.rms_norm_eps)
-        slots = positions % state.context_pos.shape[1]
-        rows = jnp.arange(b)[:, None]
-        kv = tuple(
-            ring.at[rows, slots].set(kv_rows(stage.attn, main_x, positions, self.freqs, self.cfg,
-                                             self.simulate_qat).astype(ring.dtype))
-            for stage, ring in zip(params.stages, state.context_kv))
-        return DrafterState(kv, state.context_pos.at[rows, slots].set(positions))
+        kv = tuple(ring.write(rows, kv_rows(stage.attn, main_x, positions, self.freqs, self.cfg, self.simulate_qat),
+                              positions)
+                   for stage, rows in zip(params.stages, state.context_kv))
+        return state.replace(context_kv=kv, last_position=positions[:, -1])
 
     def _stage(self, stage: Block, streams: jax.Array, positions: jax.Array, context: jax.Array,
                context_valid: jax.Array) -> jax.Array:
@@ -140,7 +145,7 @@ class DrafterModel:
         b, width = seeds.shape[0], cfg.block_size
         block = jnp.concatenate([seeds[:, None], jnp.full((b, width - 1), cfg.mask_token_id, jnp.int32)], 1)
         positions = seed_pos[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
-        ctx_pos = state.context_pos[:, None, :]  # [B, 1, R]
+        ctx_pos = ring.slot_positions(state.last_position, state.context_kv[0].shape[1])[:, None, :]  # [B, 1, R]
         context_valid = jnp.broadcast_to(
             (ctx_pos >= 0) & (ctx_pos < seed_pos[:, None, None]) & (ctx_pos >= seed_pos[:, None, None] - cfg.sliding_window),
             (b, width, ctx_pos.shape[-1]))

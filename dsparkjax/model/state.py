@@ -3,9 +3,9 @@
 Every buffer is a pure function of "which positions < length were processed". A step of q tokens writes
 rows for positions `length .. length+q-1` but does not advance `length`; `commit` advances it by the
 accepted count. Rejected rows stay in the buffers, and visibility is computed from positions, so they are
-never read: ring slots are attributed to positions by the formula of `window_slot_positions`, and the ring
-sizes (window + widest step − 1, and likewise for the compressor projections) guarantee that a rejected row
-only ever overwrote a position no future query can see. Compressed entry w is read only by queries at
+never read: ring slots are attributed to positions by `ring.slot_positions`, and the ring sizes
+(`ring.ring_size`: window + widest step − 1, and likewise for the compressor projections) guarantee that a
+rejected row only ever overwrote a position no future query can see. Compressed entry w is read only by queries at
 positions >= m(w+1)−1, and is rewritten at that boundary before any such query runs. Rollback is therefore
 setting the length, and nothing else.
 """
@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from dsparkjax.config import CSA_RATIO, TargetConfig
+from dsparkjax.errors import CapacityError
+from dsparkjax.model.ring import ring_size
 
 
 @struct.dataclass
@@ -32,10 +35,27 @@ class LayerCache:
 
 @struct.dataclass
 class DecodeState:
-    """Decode state of a batch: committed lengths and per-layer caches (an immutable pytree)."""
+    """Decode state of a batch: committed lengths and per-layer caches (an immutable pytree).
+
+    Its capacity is static (part of the jit key): steps of at most `max_step` rows (the rings' size) and
+    sequences of at most `max_len` positions (the compressed entries' rows).
+    """
 
     length: jax.Array  # int32 [B] committed tokens per sequence
     layers: tuple[LayerCache, ...]
+    max_len: int = struct.field(pytree_node=False)
+    max_step: int = struct.field(pytree_node=False)
+
+    def check_step(self, width: int, lengths: np.ndarray | None = None) -> None:
+        """Refuse a step of `width` rows wider than the rings, or, given the host's committed `lengths`
+        (int `[B]`), one whose rows could be committed past `max_len` (their entries would be dropped)."""
+        if width > self.max_step:
+            raise CapacityError(f"a step of {width} rows is wider than the decode state's max_step "
+                                f"{self.max_step}: its window ring would overwrite visible rows; build the "
+                                f"state with max_step >= {width}")
+        if lengths is not None and len(lengths) and int(np.max(lengths)) + width > self.max_len:
+            raise CapacityError(f"a step of {width} rows after {int(np.max(lengths))} committed tokens passes "
+                                f"the decode state's max_len {self.max_len}")
 
 
 def init_state(cfg: TargetConfig, batch: int, max_len: int, max_step: int, dtype: jnp.dtype) -> DecodeState:
@@ -48,19 +68,19 @@ def init_state(cfg: TargetConfig, batch: int, max_len: int, max_step: int, dtype
     layers = []
     for i in range(cfg.num_layers):
         kind, m = cfg.layer_type(i), cfg.compress_ratios[i]
-        window = jnp.zeros((batch, cfg.sliding_window + max_step - 1, d), dtype)
+        window = jnp.zeros((batch, ring_size(cfg.sliding_window, max_step), d), dtype)
         comp_proj = comp_kv = index_proj = index_keys = None
         if kind != "swa":
             entries = -(-max_len // m)
             span = 2 * m if kind == "csa" else m
             width = (2 if kind == "csa" else 1) * d
-            comp_proj = jnp.zeros((batch, span + max_step - 1, 2, width), jnp.float32)
+            comp_proj = jnp.zeros((batch, ring_size(span, max_step), 2, width), jnp.float32)
             comp_kv = jnp.zeros((batch, entries, d), dtype)
             if kind == "csa":
-                index_proj = jnp.zeros((batch, span + max_step - 1, 2, 2 * di), jnp.float32)
+                index_proj = jnp.zeros((batch, ring_size(span, max_step), 2, 2 * di), jnp.float32)
                 index_keys = jnp.zeros((batch, -(-max_len // CSA_RATIO), di), jnp.float32)
         layers.append(LayerCache(window, comp_proj, comp_kv, index_proj, index_keys))
-    return DecodeState(jnp.zeros((batch,), jnp.int32), tuple(layers))
+    return DecodeState(jnp.zeros((batch,), jnp.int32), tuple(layers), max_len, max_step)
 
 
 def commit(state: DecodeState, accepted: jax.Array) -> DecodeState:
@@ -71,13 +91,3 @@ def commit(state: DecodeState, accepted: jax.Array) -> DecodeState:
 def reset(state: DecodeState, rows: jax.Array) -> DecodeState:
     """Start the sequences where `rows` (bool [B]) is true afresh (length 0; old rows become invisible)."""
     return state.replace(length=jnp.where(rows, 0, state.length))
-
-
-def window_slot_positions(last_position: jax.Array, ring: int) -> jax.Array:
-    """The position each ring slot holds once positions up to `last_position` (int32 [B]) were written.
-
-    Slot s holds the largest p <= last_position with p ≡ s (mod ring); negative means never written.
-    Returns int32 [B, ring].
-    """
-    slots = jnp.arange(ring, dtype=jnp.int32)
-    return last_position[:, None] - jnp.mod(last_position[:, None] - slots[None, :], ring)

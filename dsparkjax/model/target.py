@@ -28,7 +28,8 @@ from dsparkjax.model.block import (
 from dsparkjax.model.hc import hc_head
 from dsparkjax.model.layers import apply_rope, fp4_indexer_sim, rms_norm, rope_frequencies, route
 from dsparkjax.model.params import Block, Compressor, Indexer, MoE, TargetParams
-from dsparkjax.model.state import DecodeState, LayerCache, window_slot_positions
+from dsparkjax.model import ring
+from dsparkjax.model.state import DecodeState, LayerCache
 from dsparkjax.model.weights import linear
 
 
@@ -46,17 +47,7 @@ def _batch_index(x: jax.Array) -> jax.Array:
     return jnp.arange(x.shape[0])[:, None]
 
 
-def ring_write(ring: jax.Array, rows: jax.Array, positions: jax.Array) -> jax.Array:
-    """Write `rows` `[B, Q, ...]` at slots `positions % R` of `ring` `[B, R, ...]`."""
-    return ring.at[_batch_index(positions), positions % ring.shape[1]].set(rows.astype(ring.dtype))
-
-
-def ring_read(ring: jax.Array, positions: jax.Array) -> jax.Array:
-    """Rows of `ring` `[B, R, ...]` for positions `[B, Q, S]` -> `[B, Q, S, ...]`."""
-    return ring[jnp.arange(ring.shape[0])[:, None, None], positions % ring.shape[1]]
-
-
-def compress(cp: Compressor, x: jax.Array, positions: jax.Array, ring: jax.Array, ratio: int, overlap: bool,
+def compress(cp: Compressor, x: jax.Array, positions: jax.Array, ring_rows: jax.Array, ratio: int, overlap: bool,
              eps: float) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Gated per-channel pooling of windows of `ratio` tokens (`ds4_arch.md` §3.4), for every row.
 
@@ -67,17 +58,17 @@ def compress(cp: Compressor, x: jax.Array, positions: jax.Array, ring: jax.Array
     keeps those.
 
     Args:
-      x: `[B, Q, D]` normalised attention input; positions: int32 `[B, Q]`; ring: `[B, R, 2, c·w]`.
+      x: `[B, Q, D]` normalised attention input; positions: int32 `[B, Q]`; ring_rows: `[B, R, 2, c·w]`.
     Returns:
       (new ring, pooled and RMS-normalised entries float32 `[B, Q, w]`, entry index int32 `[B, Q]` which is
       `(p+1)/m − 1` at boundaries and −1 elsewhere).
     """
     values = linear(x, cp.wkv)
     scores = linear(x, cp.wgate) + cp.ape[positions % ratio]
-    ring = ring_write(ring, jnp.stack([values, scores], axis=2), positions)
+    ring_rows = ring.write(ring_rows, jnp.stack([values, scores], axis=2), positions)
     span = 2 * ratio if overlap else ratio
     window_pos = positions[..., None] + jnp.arange(1 - span, 1)  # [B, Q, span]
-    rows = ring_read(ring, window_pos)  # [B, Q, span, 2, c·w]
+    rows = ring.read(ring_rows, window_pos)  # [B, Q, span, 2, c·w]
     if overlap:
         width = rows.shape[-1] // 2
         rows = jnp.concatenate([rows[:, :, :ratio, :, :width], rows[:, :, ratio:, :, width:]], axis=2)
@@ -86,7 +77,7 @@ def compress(cp: Compressor, x: jax.Array, positions: jax.Array, ring: jax.Array
     pooled = jnp.sum(jax.nn.softmax(scores, axis=2) * values, axis=2)
     boundary = (positions + 1) % ratio == 0
     index = jnp.where(boundary, (positions + 1) // ratio - 1, -1)
-    return ring, rms_norm(pooled, cp.norm, eps), index
+    return ring_rows, rms_norm(pooled, cp.norm, eps), index
 
 
 def store_entries(cache: jax.Array, entries: jax.Array, index: jax.Array) -> jax.Array:
@@ -116,8 +107,8 @@ class TargetModel:
         b, q = positions.shape
         iq = linear(qr, ix.wq_b).reshape(b, q, cfg.index_heads, cfg.index_head_dim)
         iq = apply_rope(iq, positions[..., None], freqs)
-        ring, keys, index = compress(ix.compressor, x, positions, cache.index_proj, CSA_RATIO, True,
-                                     cfg.rms_norm_eps)
+        index_proj, keys, index = compress(ix.compressor, x, positions, cache.index_proj, CSA_RATIO, True,
+                                           cfg.rms_norm_eps)
         keys = apply_rope(keys, jnp.maximum(index, 0) * CSA_RATIO, freqs)
         if self.options.simulate_qat:
             iq, keys = fp4_indexer_sim(iq), fp4_indexer_sim(keys)
@@ -127,7 +118,7 @@ class TargetModel:
         # ties -> lowest index (§6.3 item 4); entry w is visible from position 4(w+1)−1 on
         picks, real = kernels.indexer_topk(iq, index_keys, head_weights, (positions + 1) // CSA_RATIO, k,
                                            backend=self.options.policy.indexer_backend)
-        return cache.replace(index_proj=ring, index_keys=index_keys), picks, real
+        return cache.replace(index_proj=index_proj, index_keys=index_keys), picks, real
 
     def attention(self, layer: int, blk: Block, x: jax.Array, positions: jax.Array, cache: LayerCache
                   ) -> tuple[jax.Array, LayerCache]:
@@ -136,21 +127,21 @@ class TargetModel:
         kind = cfg.layer_type(layer)
         freqs = self.swa_freqs if kind == "swa" else self.compressed_freqs
         qr, heads, kv = query_heads(at, x, positions, freqs, cfg, self.options.simulate_qat)
-        window = ring_write(cache.window, kv, positions)
+        window = ring.write(cache.window, kv, positions)
         cache = cache.replace(window=window)
 
-        slot_pos = window_slot_positions(positions[:, -1], window.shape[1])[:, None, :]  # [B, 1, R]
+        slot_pos = ring.slot_positions(positions[:, -1], window.shape[1])[:, None, :]  # [B, 1, R]
         p = positions[..., None]
         in_window = (slot_pos <= p) & (slot_pos > p - cfg.sliding_window) & (slot_pos >= 0)
         key_sets = [(window.astype(jnp.float32), in_window)]  # keys [B, K, d] shared by all rows, or [B, Q, K, d]
         if kind != "swa":
             m = cfg.compress_ratios[layer]
-            ring, entries, index = compress(blk.compressor, x, positions, cache.comp_proj, m, kind == "csa",
-                                            cfg.rms_norm_eps)
+            comp_proj, entries, index = compress(blk.compressor, x, positions, cache.comp_proj, m, kind == "csa",
+                                                 cfg.rms_norm_eps)
             entries = kv_sim(apply_rope(entries, jnp.maximum(index, 0) * m, freqs), cfg.nope_dim,
                              self.options.simulate_qat)
             comp_kv = store_entries(cache.comp_kv, entries, index)
-            cache = cache.replace(comp_proj=ring, comp_kv=comp_kv)
+            cache = cache.replace(comp_proj=comp_proj, comp_kv=comp_kv)
             if kind == "hca":
                 visible = jnp.arange(comp_kv.shape[1]) < ((positions + 1) // m)[..., None]
                 key_sets.append((comp_kv.astype(jnp.float32), visible))
@@ -189,8 +180,10 @@ class TargetModel:
         Returns:
           (logits float32 `[B, Q, V]`, features float32 `[B, Q, n_capture, D]` (mean over HC streams of the
           capture layers), new state with the rows written and `length` unchanged).
+        Raises CapacityError (while tracing) for a step wider than the state's `max_step`.
         """
         cfg, opts = self.cfg, self.options
+        state.check_step(tokens.shape[1])
         positions = state.length[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
         embedded = params.embed[tokens].astype(jnp.float32)
         streams = jnp.broadcast_to(embedded[:, :, None, :], embedded.shape[:2] + (cfg.hc_mult, cfg.hidden_size))

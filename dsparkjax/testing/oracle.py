@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsparkjax.spec.generate import Result
+from dsparkjax.decoding.generate import Result
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -7,10 +7,12 @@ over the batch so the choice stays on the device (`dspark.md` §2.5).
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
+
+from dsparkjax.errors import ArgumentError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +43,22 @@ class WidthPolicy:
             q = 2 + (survive[:, 1] >= self.p2_threshold).astype(jnp.int32)
             q = q + ((q == 3) & (survive[:, 2] >= self.p3_threshold)).astype(jnp.int32)
         return jnp.clip(q, 1, self.max_q)
+
+
+def policy_for(width: int | str | WidthPolicy, proposer: Any, max_q: int) -> WidthPolicy:
+    """`generate`'s `width` argument as a policy: "adaptive" (confidences if the proposer has them, else the
+    EWMA), a fixed q in [1, max_q] (an int or its digits), or a WidthPolicy (its max_q capped at max_q)."""
+    if isinstance(width, WidthPolicy):
+        return dataclasses.replace(width, max_q=min(width.max_q, max_q))
+    if isinstance(width, int) or (isinstance(width, str) and width.isdigit()):
+        q = int(width)
+        if not 1 <= q <= max_q:
+            raise ArgumentError(f"width must be 'adaptive' or an integer in [1, {max_q}], got {width}")
+        return WidthPolicy("fixed", fixed_q=q, max_q=max_q)
+    if width != "adaptive":
+        raise ArgumentError(f"width must be 'adaptive' or an integer in [1, {max_q}], got {width!r}")
+    kind = "confidence" if proposer is not None and proposer.has_confidence else "ewma"
+    return WidthPolicy(kind, max_q=max_q)
 
 
 def ewma_update(ewma: jax.Array, matched: jax.Array, decay: float) -> jax.Array:

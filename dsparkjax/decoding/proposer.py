@@ -76,7 +76,7 @@ class Drafter:
 
     def precompile(self, state: DrafterState, widths: tuple[int, ...]) -> None:
         absorb, propose = _compiled(self.config, self.target.simulate_qat, self.target.options().policy)
-        batch, dim = state.context_pos.shape[0], self.config.hidden_size
+        batch, dim = state.last_position.shape[0], self.config.hidden_size
         n_cap = len(self.capture_layers)
         for width in widths:
             absorb.compile(self.params, state, jax.ShapeDtypeStruct((batch, width, n_cap, dim), jnp.float32),

@@ -1,0 +1,188 @@
+"""The Decoder: one decoding configuration, its compiled programs, its prefill and its step.
+
+A frozen description of a run (target, proposer, batch, state capacity, widths, verification), in the
+spirit of gemma's `SamplerLoop`: it builds the initial `LoopState`, compiles every program the run can
+dispatch ahead of time (`compile`), prefills prompts into rows (`prefill`, shared by `forward` and
+`generate`) and runs one decode step (`step`). It holds no mutable state: the loop's values travel in the
+`LoopState` it is given and returns. `Engine` (engine.py) drives it step by step.
+
+Verification modes (`exactness.md`):
+- "exact": every decode step, plain and speculative alike, runs the one program of width 1 + block, with
+  padding rows where there are fewer candidates. XLA computes a row of a fixed-shape program independently
+  of its index and of the other rows, so speculative output equals plain greedy output bit for bit.
+- "fast": a program per width q (plain decoding uses q = 1); cheaper, and may differ on near-tied logits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, Literal, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsparkjax import footprint
+from dsparkjax.aot import AotFunction
+from dsparkjax.decoding.program import LoopState, RowsOut, StepOutcome, decode_program, prefill_program
+from dsparkjax.decoding.proposer import Proposer
+from dsparkjax.decoding.width import WidthPolicy, policy_for
+from dsparkjax.model.state import init_state
+from dsparkjax.target_api import Target
+
+DEFAULT_BLOCK = 5  # DSpark proposes 5 candidates; exact mode without a drafter uses the same program width
+
+
+@functools.lru_cache(maxsize=None)
+def _width_fn(policy: WidthPolicy) -> AotFunction:
+    return AotFunction(policy.choose)
+
+
+@functools.partial(AotFunction, static_argnums=(1,))
+def plain_proposal(seeds: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
+    """Plain decoding's stand-in for a proposal: seeds int32 `[B]` repeated to `[B, block]`, never verified
+    (widths int32 `[B]` of 1). Exact mode's padding rows cost what real rows do; repeating each sequence's
+    seed routes them like real tokens, where one constant token would send them all to the same experts."""
+    return jnp.broadcast_to(seeds[:, None], (seeds.shape[0], block)), jnp.ones_like(seeds)
+
+
+@dataclasses.dataclass(frozen=True)
+class Decoder:
+    """A decoding run's static configuration and its programs (see the module docstring)."""
+
+    target: Target
+    proposer: Proposer | None  # None: plain decoding
+    batch: int  # rows
+    max_len: int  # positions per row the decode state holds
+    max_step: int  # the widest step (prefill chunk or decode width) the state's rings hold
+    prefill_chunk: int
+    block: int = DEFAULT_BLOCK  # candidates per proposal; exact mode's width is block + 1
+    verify: Literal["exact", "fast"] = "exact"
+    policy: WidthPolicy = WidthPolicy("fixed", fixed_q=1, max_q=1)
+    sample: bool = False  # sample plain decoding's tokens at the loop's temperature, else greedy
+    capture_layers: tuple[int, ...] = ()  # target layers whose features the proposer reads
+
+    @classmethod
+    def for_prompts(cls, target: Target, drafter: Proposer | None, *, speculative: bool, lengths: list[int],
+                    max_new_tokens: int, verify: Literal["exact", "fast"], width: int | str | WidthPolicy,
+                    prefill_chunk: int, sample: bool) -> Decoder:
+        """The decoder `generate` runs for prompts of `lengths` tokens, one row each. A plain run given a
+        drafter still captures its features, so plain and speculative runs share the target programs."""
+        proposer = drafter if speculative else None
+        block = drafter.block_size if drafter is not None else DEFAULT_BLOCK
+        max_step = max(prefill_chunk, block + 1)
+        # Room for the prompt, the new tokens and two queued steps, rounded up to a power of two so that runs
+        # of similar sizes reuse compiled programs.
+        need = max(lengths) + max_new_tokens + max_step + block + 1
+        return cls(target, proposer, batch=len(lengths), max_len=1 << max(6, need.bit_length()), max_step=max_step,
+                   prefill_chunk=prefill_chunk, block=block, verify=verify,
+                   policy=policy_for(width, proposer, block + 1), sample=sample,
+                   capture_layers=drafter.capture_layers if drafter is not None else ())
+
+    @property
+    def exact_width(self) -> int:
+        return self.block + 1
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        """The decode widths this decoder dispatches: exact mode's one; plain fast decoding's 1; fast
+        speculative decoding's 1..block + 1, one per proposer width."""
+        if self.verify == "exact":
+            return (self.exact_width,)
+        return (1,) if self.proposer is None else tuple(range(1, self.exact_width + 1))
+
+    def init(self, temperature: float = 0.0, seed: int = 0) -> LoopState:
+        """Empty rows: a fresh decode state and proposer state, no sequence active."""
+        cfg, batch = self.target.config, self.batch
+        footprint.check_state_budget(cfg, batch, self.max_len, self.max_step, self.target.dtype, self.target.path)
+        return LoopState(
+            state=init_state(cfg, batch, self.max_len, self.max_step, self.target.dtype),
+            proposer=self.proposer.init_state(batch, self.max_step) if self.proposer is not None else None,
+            seeds=jnp.zeros((batch,), jnp.int32), ewma=jnp.full((batch,), self.policy.ewma_init, jnp.float32),
+            key=jax.random.PRNGKey(seed), temperature=jnp.float32(max(temperature, 1e-6)),
+            active=jnp.zeros((batch,), jnp.bool_))
+
+    def compile(self, loop: LoopState) -> None:
+        """Compile every program `prefill` and `step` can dispatch for `loop`'s shapes, before any runs."""
+        params, batch = self.target.params, self.batch
+        ints, flags = (jax.ShapeDtypeStruct((batch,), t) for t in (jnp.int32, jnp.bool_))
+        self._prefill().compile(params, loop, tokens=jax.ShapeDtypeStruct((batch, self.prefill_chunk), jnp.int32),
+                                valid=ints, restart=flags, ends=flags, ewma_init=jnp.float32(0),
+                                sample=self.sample)
+        drafts = jax.ShapeDtypeStruct((batch, self.block), jnp.int32)
+        for width in self.widths:
+            self._decode().compile(params, loop, drafts=drafts, widths=ints, width=width,
+                                   ewma_decay=self.policy.ewma_decay, sample=self.sample)
+        if self.proposer is None:
+            plain_proposal.compile(ints, self.block)
+        else:
+            self.proposer.precompile(loop.proposer, tuple({self.prefill_chunk, *self.widths}))
+            _width_fn(self.policy).compile(jax.ShapeDtypeStruct((batch, self.block), jnp.float32),
+                                           jax.ShapeDtypeStruct((batch,), jnp.float32))
+
+    def prefill(self, loop: LoopState, prompts: Mapping[int, np.ndarray],
+                on_logits: Callable[[jax.Array, np.ndarray], None] | None = None) -> tuple[LoopState, dict[int, int]]:
+        """Run `prompts` (row -> int token ids) from position 0 of their rows, in chunks through the target;
+        the other rows commit nothing. The proposer absorbs every chunk's features.
+
+        on_logits: called with each chunk's logits float32 `[B, C, V]` and its valid row counts int `[B]`.
+        Returns (loop with each prompt row's seed set to its first token, row -> first token).
+        """
+        lengths = np.zeros(self.batch, np.int64)
+        for row, prompt in prompts.items():
+            lengths[row] = len(prompt)
+        done = np.zeros(self.batch, np.int64)
+        restart = jnp.asarray(lengths > 0)
+        ewma_init = jnp.float32(self.policy.ewma_init)
+        first: dict[int, int] = {}
+        while (done < lengths).any():
+            valid = np.clip(lengths - done, 0, self.prefill_chunk)
+            tokens = np.zeros((self.batch, self.prefill_chunk), np.int32)
+            for row, prompt in prompts.items():
+                tokens[row, : valid[row]] = prompt[done[row] : done[row] + valid[row]]
+            ends = (valid > 0) & (done + valid == lengths)
+            loop, rows, logits, picked = self._prefill()(
+                self.target.params, loop, tokens=jnp.asarray(tokens), valid=jnp.asarray(valid, jnp.int32),
+                restart=restart, ends=jnp.asarray(ends), ewma_init=ewma_init, sample=self.sample)
+            loop = self._absorb(loop, rows)
+            if on_logits is not None:
+                on_logits(logits, valid)
+            if ends.any():
+                picked = np.asarray(picked)
+                first.update((int(row), int(picked[row])) for row in np.flatnonzero(ends))
+            restart = jnp.zeros_like(restart)
+            done += valid
+        return loop, first
+
+    def step(self, loop: LoopState, running: np.ndarray, lengths: np.ndarray
+             ) -> tuple[LoopState, StepOutcome, jax.Array]:
+        """Queue one decode step of the active rows; returns (loop, outcome, widths int32 `[B]`) on the device.
+
+        running: bool `[B]`, the rows the host still decodes (fast speculative decoding's program width is
+        the widest of their proposer widths, the one read back here); lengths: int `[B]`, an upper bound of
+        their committed lengths, to refuse a step past the state's max_len.
+        """
+        if self.proposer is not None:
+            drafts, confidences = self.proposer.propose(loop.proposer, loop.seeds, loop.state.length)
+            widths = _width_fn(self.policy)(confidences, loop.ewma)
+            width = self.exact_width if self.verify == "exact" else int(np.asarray(widths)[running].max())
+        else:
+            drafts, widths = plain_proposal(loop.seeds, self.block)
+            width = self.exact_width if self.verify == "exact" else 1
+        loop.state.check_step(width, lengths[running])
+        loop, rows, outcome = self._decode()(self.target.params, loop, drafts=drafts, widths=widths, width=width,
+                                             ewma_decay=self.policy.ewma_decay, sample=self.sample)
+        return self._absorb(loop, rows), outcome, widths
+
+    def _absorb(self, loop: LoopState, rows: RowsOut) -> LoopState:
+        if self.proposer is None:
+            return loop
+        return loop.replace(proposer=self.proposer.absorb(loop.proposer, rows.features, rows.positions))
+
+    # The programs are looked up on every use (cached per config): the tests watch them by patching these.
+    def _prefill(self) -> AotFunction:
+        return prefill_program(self.target.config, self.target.options(self.capture_layers))
+
+    def _decode(self) -> AotFunction:
+        return decode_program(self.target.config, self.target.options(self.capture_layers))

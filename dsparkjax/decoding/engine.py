@@ -1,0 +1,141 @@
+"""A step-level decoding engine: sequences join and leave between steps (continuous batching).
+
+`admit(prompt)` puts a prompt into a free row; `step()` prefills the newly admitted rows, queues one decode
+step of every running row and returns the tokens each row emitted; `release(row)` frees a row. The programs
+are compiled once when the engine is built (`Decoder.compile`) and reused whatever the rows hold: a row's
+tokens never depend on the others (exact mode), so admitting a sequence mid-run gives the tokens it would
+give alone.
+
+Step k + 1 is queued before step k is read back, so the device never waits for the host; a row released
+after step k has had step k + 1 run for nothing. Fast speculative decoding reads each step back at once
+instead: its next program width is the proposer's widths over the running rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsparkjax.decoding.decoder import Decoder
+from dsparkjax.decoding.program import StepOutcome
+from dsparkjax.errors import ArgumentError, CapacityError, TokenIdError
+
+
+@dataclasses.dataclass
+class Emitted:
+    """What one row emitted in one `step()` or `prefill()`."""
+
+    tokens: list[int]  # accepted candidates, then the bonus token (or a prompt's first token)
+    matched: int = 0  # candidates accepted
+    offered: int = 0  # candidates verified
+    steps: int = 0  # decode steps (0 for a prompt's first token)
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """A queued decode step not yet read back."""
+
+    outcome: StepOutcome
+    widths: jax.Array
+    tickets: dict[int, int]  # row -> admission ticket of the sequence it served
+    width: int  # an upper bound of the tokens it commits per row (the widest program)
+
+
+class Engine:
+    """Rows of one `Decoder` that sequences are admitted to and released from between steps."""
+
+    def __init__(self, decoder: Decoder, *, temperature: float = 0.0, seed: int = 0):
+        self.decoder = decoder
+        self.loop = decoder.init(temperature, seed)
+        decoder.compile(self.loop)
+        self._pending: dict[int, np.ndarray] = {}  # admitted, not yet prefilled
+        self._running: dict[int, int] = {}  # row -> ticket, prefilled and decoding
+        self._tickets = 0
+        self._ticket_of: dict[int, int] = {}
+        self._lengths = np.zeros(decoder.batch, np.int64)  # committed tokens per row, as last read back
+        self._mask = np.zeros(decoder.batch, bool)  # the active mask the loop state holds
+        self._in_flight: _InFlight | None = None
+        self._queue_ahead = not (decoder.verify == "fast" and decoder.proposer is not None)
+
+    @property
+    def free_rows(self) -> list[int]:
+        return [row for row in range(self.decoder.batch) if row not in self._ticket_of]
+
+    def admit(self, prompt: Sequence[int] | np.ndarray) -> int:
+        """Put `prompt` (token ids) into a free row, prefilled at the next `step()` or `prefill()`; returns the row."""
+        free = self.free_rows
+        if not free:
+            raise CapacityError(f"no free row: all {self.decoder.batch} rows of the engine are in use")
+        prompt = np.asarray(prompt, np.int64)
+        if prompt.ndim != 1 or prompt.size == 0:
+            raise ArgumentError(f"prompt must be a non-empty 1-D sequence of token ids, got shape {prompt.shape}")
+        self.decoder.target.check_tokens(prompt, "prompt")
+        if prompt.size + self.decoder.max_step > self.decoder.max_len:
+            raise CapacityError(f"a prompt of {prompt.size} tokens leaves no room in rows of max_len "
+                                f"{self.decoder.max_len}")
+        row = free[0]
+        self._tickets += 1
+        self._ticket_of[row] = self._tickets
+        self._pending[row] = prompt
+        return row
+
+    def release(self, row: int) -> None:
+        """Free `row`; whatever is queued for it is dropped."""
+        if row not in self._ticket_of:
+            raise ArgumentError(f"row {row} is not in use")
+        del self._ticket_of[row]
+        self._pending.pop(row, None)
+        self._running.pop(row, None)
+
+    def prefill(self) -> dict[int, Emitted]:
+        """Prefill the admitted rows (batched): row -> its first token."""
+        if not self._pending:
+            return {}
+        self.loop, first = self.decoder.prefill(self.loop, self._pending)
+        for row, prompt in self._pending.items():
+            self._lengths[row] = len(prompt)
+            self._running[row] = self._ticket_of[row]
+        self._pending = {}
+        return {row: Emitted([token]) for row, token in first.items()}
+
+    def step(self) -> dict[int, Emitted]:
+        """Prefill new rows, queue a decode step of the running rows, and return what rows emitted since the
+        last call (the step read back: the previous one when steps queue ahead)."""
+        emitted = self.prefill()
+        queued = self._dispatch() if self._running else None
+        if self._queue_ahead:
+            queued, self._in_flight = self._in_flight, queued
+        emitted.update(self._read(queued))
+        return emitted
+
+    def _dispatch(self) -> _InFlight:
+        running = np.zeros(self.decoder.batch, bool)
+        running[list(self._running)] = True
+        if (running != self._mask).any():  # a new mask only when rows changed: the same buffer otherwise
+            self._mask = running
+            self.loop = self.loop.replace(active=jnp.asarray(running))
+        ahead = self._in_flight.width if self._in_flight is not None else 0
+        self.loop, outcome, widths = self.decoder.step(self.loop, running, self._lengths + ahead)
+        return _InFlight(outcome, widths, dict(self._running), self.decoder.exact_width)
+
+    def _read(self, queued: _InFlight | None) -> dict[int, Emitted]:
+        if queued is None:
+            return {}
+        outcome, widths = jax.device_get((queued.outcome, queued.widths))
+        if outcome.bad != -1:  # hash layers index tid2eid by token: an out-of-range draft must never be emitted
+            target = self.decoder.target
+            raise TokenIdError(f"the proposer drafted token id {int(outcome.bad)}, outside the vocabulary and hash "
+                               f"tables [0, {target.config.vocab_size}) of {target.path}")
+        emitted = {}
+        for row, ticket in queued.tickets.items():
+            if self._running.get(row) != ticket:  # released (and maybe re-admitted) since it was queued
+                continue
+            matched = int(outcome.matched[row])
+            self._lengths[row] += matched + 1
+            emitted[row] = Emitted([*map(int, outcome.candidates[row, :matched]), int(outcome.bonus[row])],
+                                   matched, int(widths[row]) - 1, 1)
+        return emitted

@@ -1,0 +1,144 @@
+"""Batched generation: plain (AR) or speculative with a proposer, exact or fast verification.
+
+A thin driver of the `Engine` (engine.py): it checks the arguments, builds the `Decoder` for the prompts,
+admits every prompt, and steps until each sequence stops, emitting tokens through `on_token`. The decoding
+itself (prefill, propose, verify, accept, commit) is in decoder.py and program.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from typing import Callable, Literal, Sequence
+
+from dsparkjax import validation
+from dsparkjax.decoding.decoder import Decoder
+from dsparkjax.decoding.engine import Emitted, Engine
+from dsparkjax.decoding.proposer import Proposer
+from dsparkjax.decoding.width import WidthPolicy
+from dsparkjax.target_api import Target
+
+OnToken = Callable[[int, int], "bool | None"]  # (sequence index, token id) -> False to cancel the sequence
+
+
+@dataclasses.dataclass
+class Result:
+    """One sequence's generation."""
+
+    token_ids: list[int]
+    matched: int = 0  # candidates accepted
+    offered: int = 0  # candidates verified (width − 1 per step)
+    steps: int = 0  # target steps after prefill
+    tok_per_s: float = 0.0
+    stop_reason: str = ""  # "eos" (a stop token), "length" or "cancelled"
+
+    @property
+    def mean_accepted(self) -> float:
+        """Tokens committed per target step (accepted candidates + the bonus token)."""
+        return (self.matched + self.steps) / self.steps if self.steps else 0.0
+
+
+class _Sequence:
+    """Host-side bookkeeping of one sequence: emitted tokens, counters, stopping."""
+
+    def __init__(self, index: int, max_new: int, stop_tokens: frozenset[int], on_token: OnToken | None):
+        self.index, self.max_new, self.stop_tokens, self.on_token = index, max_new, stop_tokens, on_token
+        self.result = Result(token_ids=[])
+        self.done = False
+        self.finished_at = 0.0
+
+    def take(self, out: Emitted) -> int:
+        """Count a step's outcome and emit its tokens; returns how many were emitted."""
+        self.result.steps += out.steps
+        self.result.matched += out.matched
+        self.result.offered += out.offered
+        return self.emit(out.tokens)
+
+    def emit(self, tokens: Sequence[int]) -> int:
+        """Append tokens in order until a stop condition; returns how many were emitted."""
+        count = 0
+        for token in tokens:
+            if self.done:
+                break
+            self.result.token_ids.append(int(token))
+            count += 1
+            if self.on_token is not None and self.on_token(self.index, int(token)) is False:
+                self._stop("cancelled")
+            elif token in self.stop_tokens:
+                self._stop("eos")
+            elif len(self.result.token_ids) >= self.max_new:
+                self._stop("length")
+        return count
+
+    def _stop(self, reason: str) -> None:
+        self.done, self.result.stop_reason, self.finished_at = True, reason, time.perf_counter()
+
+
+def generate(
+    target: Target,
+    prompts: Sequence[Sequence[int]],
+    *,
+    drafter: Proposer | None = None,
+    max_new_tokens: int = 64,
+    verify: Literal["exact", "fast"] = "exact",
+    width: int | str | WidthPolicy = "adaptive",
+    on_token: OnToken | None = None,
+    mode: Literal["spec", "ar"] | None = None,
+    temperature: float = 0.0,
+    prefill_chunk: int = 16,
+    seed: int = 0,
+    stop_tokens: Sequence[int] | None = None,
+    progress: bool = False,
+) -> list[Result]:
+    """Generate up to `max_new_tokens` after each prompt (token ids), batched, greedy.
+
+    Args:
+      drafter: a Proposer (e.g. `load_drafter(...)`); with one, `mode` defaults to "spec", else "ar". An AR
+        run given a drafter still captures its features, so AR and spec run identical target programs.
+      verify: "exact" (one program width for every step; spec output == AR output token for token) or "fast".
+      width: "adaptive" (confidence policy, or EWMA without a confidence head), a fixed q in 1..block+1, or
+        a WidthPolicy with its own thresholds.
+      on_token: called with (sequence index, token) for every emitted token; returning False cancels it.
+      temperature: > 0 samples; speculative decoding is greedy-only, so this falls back to plain decoding.
+      stop_tokens: tokens that end a sequence (emitted, then stop); default: the target's eos id.
+    Returns:
+      one Result per prompt, in order.
+    Raises:
+      ArgumentError naming the argument for a bad one, before anything runs.
+    """
+    arrays, mode = validation.generate_arguments(target, prompts, drafter, max_new_tokens, verify, mode,
+                                                 temperature, prefill_chunk)
+    if temperature > 0 and mode == "spec":
+        print(f"notice: temperature {temperature} > 0: speculative decoding is greedy-only; "
+              "falling back to plain (AR) decoding", file=sys.stderr)
+        mode = "ar"
+    decoder = Decoder.for_prompts(target, drafter, speculative=mode == "spec", lengths=[len(a) for a in arrays],
+                                  max_new_tokens=max_new_tokens, verify=verify, width=width,
+                                  prefill_chunk=prefill_chunk, sample=temperature > 0)
+    engine = Engine(decoder, temperature=temperature, seed=seed)
+    stops = frozenset(stop_tokens if stop_tokens is not None else (target.config.eos_token_id,))
+    sequences = {engine.admit(a): _Sequence(i, max_new_tokens, stops, on_token) for i, a in enumerate(arrays)}
+    results = [s.result for s in sequences.values()]
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(arrays) * max_new_tokens, desc=f"{mode} decode", unit="tok")
+    emitted = engine.prefill()
+    start = time.perf_counter()
+    finished = []
+    while sequences:
+        for row, out in emitted.items():
+            count = sequences[row].take(out)
+            if bar is not None:
+                bar.update(count)
+            if sequences[row].done:
+                engine.release(row)
+                finished.append(sequences.pop(row))
+        emitted = engine.step() if sequences else {}
+    if bar is not None:
+        bar.close()
+    for s in finished:
+        s.result.tok_per_s = len(s.result.token_ids) / max(s.finished_at - start, 1e-9)
+    return results

@@ -1,0 +1,46 @@
+"""Position-indexed rings: the target's window and compressor rings and the drafter's context ring.
+
+A ring of R slots keeps the row of position p at slot p % R. A step writes rows for a run of consecutive
+positions ending at `last`; slot s then holds the largest p <= last with p ≡ s (mod R), so which position a
+slot holds follows from `last` alone, with no tags to keep. A step may write rows that are later rejected
+(positions at or past the committed length): with R = span + max_step − 1, such a row only overwrites a
+position more than `span` behind every later query, so readers that look back at most `span` positions never
+see one (`ring_size`). Rolling back is therefore only setting the committed length.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def ring_size(span: int, max_step: int) -> int:
+    """Slots for readers that look back `span` positions, with steps of up to `max_step` rows."""
+    return span + max_step - 1
+
+
+def max_step_of(slots: int, span: int) -> int:
+    """The widest step a ring of `slots` slots with look-back `span` was built for (`ring_size` inverted)."""
+    return slots - span + 1
+
+
+def write(ring: jax.Array, rows: jax.Array, positions: jax.Array) -> jax.Array:
+    """Write `rows` `[B, Q, ...]` of positions int32 `[B, Q]` at slots `positions % R` of `ring` `[B, R, ...]`."""
+    batch = jnp.arange(ring.shape[0])[:, None]
+    return ring.at[batch, positions % ring.shape[1]].set(rows.astype(ring.dtype))
+
+
+def read(ring: jax.Array, positions: jax.Array) -> jax.Array:
+    """Rows of `ring` `[B, R, ...]` for positions int32 `[B, *P]` -> `[B, *P, ...]` (any number of P axes)."""
+    batch = jnp.arange(ring.shape[0]).reshape((-1,) + (1,) * (positions.ndim - 1))
+    return ring[batch, positions % ring.shape[1]]
+
+
+def slot_positions(last_position: jax.Array, slots: int) -> jax.Array:
+    """The position each slot holds once positions up to `last_position` (int32 `[B]`) were written.
+
+    Slot s holds the largest p <= last_position with p ≡ s (mod slots); negative means never written.
+    Returns int32 `[B, slots]`.
+    """
+    index = jnp.arange(slots, dtype=jnp.int32)
+    return last_position[:, None] - jnp.mod(last_position[:, None] - index[None, :], slots)

@@ -1,0 +1,87 @@
+"""Bad arguments to the public API are refused up front, with an error naming the argument (issue 41)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from model_helpers import tiny_target_model
+
+from dsparkjax.decoding.forward import forward
+from dsparkjax.decoding.generate import generate
+from dsparkjax.errors import ArgumentError, TokenIdError
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target_model()
+
+
+def test_float_token_ids_are_refused(target):
+    with pytest.raises(ArgumentError, match="prompt 1 must hold integer token ids, got dtype float64"):
+        generate(target, [[1, 2], [3.0, 4.5]])
+    with pytest.raises(ArgumentError, match="token_ids must hold integer token ids"):
+        forward(target, [[1.5, 2.0]])
+
+
+def test_ragged_prompts_are_refused_where_rows_must_be_rectangular(target):
+    with pytest.raises(ArgumentError, match="token_ids must be a rectangular array .* different lengths"):
+        forward(target, [[1, 2, 3], [4]])
+    with pytest.raises(ArgumentError, match="prompt 0 must be a rectangular array"):
+        generate(target, [[1, [2, 3]]])
+
+
+def test_string_prompts_are_refused(target):
+    with pytest.raises(ArgumentError, match="prompts must be a list of token-id lists, got str"):
+        generate(target, "hello")
+    with pytest.raises(ArgumentError, match="prompt 0 must be token ids .*got a string: tokenize it first"):
+        generate(target, ["hello"])
+    with pytest.raises(ArgumentError, match="prompt 0 must hold integer token ids, got strings"):
+        generate(target, [["a", "b"]])
+
+
+@pytest.mark.parametrize("value", [2.5, 2.0, 0, -3, True, "4"])
+def test_max_new_tokens_must_be_a_positive_integer(target, value):
+    with pytest.raises(ArgumentError, match=f"max_new_tokens must be an integer >= 1, got {value!r}"):
+        generate(target, [[1, 2]], max_new_tokens=value)
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5])
+def test_prefill_chunk_must_be_a_positive_integer(target, value):
+    with pytest.raises(ArgumentError, match=f"prefill_chunk must be an integer >= 1, got {value!r}"):
+        generate(target, [[1, 2]], prefill_chunk=value)
+    with pytest.raises(ArgumentError, match=f"chunk must be an integer >= 1, got {value!r}"):
+        forward(target, [[1, 2]], chunk=value)
+
+
+def test_a_target_passed_as_the_drafter_is_refused(target):
+    with pytest.raises(ArgumentError, match="drafter must be a Proposer .*got Target .*lacks block_size"):
+        generate(target, [[1, 2]], drafter=target)
+
+
+@pytest.mark.parametrize("argument", ["mode", "verify"])
+def test_unknown_mode_or_verification_is_refused(target, argument):
+    with pytest.raises(ArgumentError, match=f"{argument} must be one of .*got 'bogus'"):
+        generate(target, [[1, 2]], **{argument: "bogus"})
+
+
+@pytest.mark.parametrize("value", [math.nan, -0.5, math.inf, "hot"])
+def test_temperature_must_be_finite_and_not_negative(target, value):
+    with pytest.raises(ArgumentError, match="temperature must be a finite number >= 0"):
+        generate(target, [[1, 2]], temperature=value)
+
+
+def test_forward_past_the_context_length_is_refused(target):
+    too_long = [[1] * (target.config.context_length + 1)]
+    with pytest.raises(ArgumentError, match=f"token_ids: {target.config.context_length + 1} positions; forward "
+                                            f"runs 1 to the context length {target.config.context_length}"):
+        forward(target, too_long)
+    with pytest.raises(ArgumentError, match="exceeds the context length"):
+        generate(target, [[1, 2]], max_new_tokens=target.config.context_length)
+
+
+def test_out_of_range_token_ids_are_refused(target):
+    with pytest.raises(TokenIdError, match="prompt 1: id 600 is outside the vocabulary"):
+        generate(target, [[1], [600]])
+    with pytest.raises(TokenIdError, match="token ids: id -1 is outside the vocabulary"):
+        forward(target, [[3, -1]])

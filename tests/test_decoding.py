@@ -1,0 +1,153 @@
+"""The decoding core: ring capacity, programs traced once per width, donation, and the step-level engine."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from model_helpers import fresh_state, step_fn, tiny_pair_paths, tiny_target_model
+
+from dsparkjax.decoding.decoder import Decoder
+from dsparkjax.decoding.engine import Engine
+from dsparkjax.decoding.generate import generate
+from dsparkjax.decoding.proposer import load_drafter
+from dsparkjax.errors import CapacityError
+from dsparkjax.model import ring
+from dsparkjax.target_api import load_target
+from dsparkjax.testing.oracle import oracle_for
+
+VOCAB = 512
+
+
+@functools.lru_cache(maxsize=None)
+def pair(seed: int = 0):
+    target_path, draft_path = tiny_pair_paths(seed)
+    target = load_target(target_path)
+    return target, load_drafter(draft_path, target)
+
+
+# -- rings and capacity ------------------------------------------------------------------------------------
+
+
+def test_ring_slots_hold_the_last_written_positions():
+    """After writing positions 3..12 into 4 slots, each slot holds the largest of them congruent to it."""
+    rows = jnp.zeros((1, 4, 1))
+    positions = jnp.arange(3, 13, dtype=jnp.int32)[None, :]
+    for p in range(3, 13):
+        rows = ring.write(rows, jnp.full((1, 1, 1), float(p)), positions[:, p - 3 : p - 2])
+    held = ring.slot_positions(jnp.asarray([12], jnp.int32), 4)
+    np.testing.assert_array_equal(np.asarray(held[0]), [12, 9, 10, 11])
+    np.testing.assert_array_equal(np.asarray(ring.read(rows, held))[0, :, 0], [12, 9, 10, 11])
+    assert np.all(np.asarray(ring.slot_positions(jnp.asarray([1], jnp.int32), 4))[0, 2:] < 0)  # never written
+
+
+def test_target_step_wider_than_the_state_is_refused():
+    """A state built for steps of 16 rows refuses 17 (its window ring would overwrite visible rows)."""
+    target = tiny_target_model()
+    state = fresh_state(target, 1)
+    assert (state.max_step, state.max_len) == (16, 96)
+    with pytest.raises(CapacityError, match="17 rows is wider than the decode state's max_step 16"):
+        step_fn(target)(target.params, state, jnp.zeros((1, 17), jnp.int32))
+
+
+def test_step_past_max_len_is_refused():
+    state = fresh_state(tiny_target_model(), 2)
+    state.check_step(6, np.array([10, 90]))  # fits exactly: positions 90..95
+    with pytest.raises(CapacityError, match="passes the decode state's max_len 96"):
+        state.check_step(6, np.array([10, 91]))
+
+
+def test_drafter_absorb_wider_than_its_rings_is_refused():
+    _, drafter = pair()
+    state = drafter.init_state(1, 6)
+    features = jnp.zeros((1, 7, len(drafter.capture_layers), drafter.config.hidden_size), jnp.float32)
+    with pytest.raises(CapacityError, match="7 rows, wider than its context state's max_step 6"):
+        drafter.absorb(state, features, jnp.arange(7, dtype=jnp.int32)[None, :])
+
+
+# -- programs: traced once per width, state donated --------------------------------------------------------
+
+
+def test_each_width_is_traced_once_across_a_generation(monkeypatch):
+    """Fast speculative decoding dispatches widths 1..6 over many steps, plus the prefill chunk: the target
+    step is traced once per width (at ahead-of-time compilation), never again while decoding."""
+    from dsparkjax.decoding import program
+    from dsparkjax.model.target import TargetModel
+
+    target = tiny_target_model()
+    prompts = [[3, 4, 5, 6], [7, 8]]
+    plain = generate(target, prompts, max_new_tokens=16, stop_tokens=())
+    oracle = oracle_for(prompts, plain, VOCAB, wrong_rate=0.3, seed=2)
+    traces: dict[int, int] = {}
+    real_step = TargetModel.step
+
+    def counted_step(self, params, state, tokens):
+        traces[tokens.shape[1]] = traces.get(tokens.shape[1], 0) + 1
+        return real_step(self, params, state, tokens)
+
+    monkeypatch.setattr(TargetModel, "step", counted_step)
+    program.prefill_program.cache_clear()  # fresh programs, so this run's traces are all counted
+    program.decode_program.cache_clear()
+    spec = generate(target, prompts, drafter=oracle, max_new_tokens=16, verify="fast", stop_tokens=(),
+                    prefill_chunk=8)
+    assert [s.token_ids for s in spec] == [p.token_ids for p in plain]
+    assert sum(s.steps for s in spec) > 7  # more steps than programs
+    assert traces == {8: 1, 1: 1, 2: 1, 3: 1, 4: 1, 5: 1, 6: 1}
+
+
+def test_prefill_and_step_donate_the_loop_state():
+    target = tiny_target_model()
+    decoder = Decoder(target, None, batch=2, max_len=64, max_step=8, prefill_chunk=8)
+    before = decoder.init()
+    after, first = decoder.prefill(before, {0: np.array([1, 2, 3]), 1: np.array([4])})
+    assert sorted(first) == [0, 1]
+    assert all(leaf.is_deleted() for leaf in jax.tree.leaves(before.state))
+    stepped, outcome, _ = decoder.step(after, np.array([True, True]), np.array([3, 1]))
+    assert all(leaf.is_deleted() for leaf in jax.tree.leaves(after))
+    assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(stepped))
+    np.testing.assert_array_equal(np.asarray(outcome.bonus), np.asarray(stepped.seeds))
+
+
+# -- the engine --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_engine_admits_and_releases_mid_run_with_each_sequences_own_tokens(speculative):
+    """Two rows, three sequences: B joins while A runs, C takes the first row released. Each sequence's
+    tokens equal `generate` on it alone (exact mode: a row's tokens do not depend on the other rows)."""
+    target, drafter = pair()
+    prompts = {"A": [5, 6, 7, 8, 9], "B": [11, 12, 13], "C": [20, 21, 22, 23, 24, 25, 26]}
+    wanted = {"A": 9, "B": 7, "C": 8}
+    decoder = Decoder.for_prompts(target, drafter, speculative=speculative, lengths=[7, 7], max_new_tokens=12,
+                                  verify="exact", width="adaptive", prefill_chunk=4, sample=False)
+    engine = Engine(decoder)
+    rows = {engine.admit(prompts["A"]): "A"}
+    got: dict[str, list[int]] = {name: [] for name in prompts}
+    waiting = ["B", "C"]
+    for _ in range(60):
+        for row, out in engine.step().items():
+            name = rows[row]
+            got[name] += out.tokens
+            if len(got[name]) >= wanted[name]:
+                engine.release(row)
+                del rows[row]
+        if waiting and engine.free_rows and (waiting[0] == "C" or len(got["A"]) >= 3):
+            name = waiting.pop(0)
+            rows[engine.admit(prompts[name])] = name
+        if not rows and not waiting:
+            break
+    assert not rows and not waiting
+    for name, prompt in prompts.items():
+        alone = generate(target, [prompt], max_new_tokens=wanted[name], stop_tokens=())[0].token_ids
+        assert got[name][: wanted[name]] == alone, name
+
+
+def test_engine_refuses_a_prompt_when_no_row_is_free():
+    target = tiny_target_model()
+    engine = Engine(Decoder(target, None, batch=1, max_len=64, max_step=6, prefill_chunk=4))
+    engine.admit([1, 2])
+    with pytest.raises(CapacityError, match="no free row"):
+        engine.admit([3])
