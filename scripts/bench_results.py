@@ -260,8 +260,10 @@ def errors(results: dict) -> dict[str, str]:
 
 
 def git_commit() -> str | None:
-    """HEAD of the checkout this script runs from ('+dirty' with changes), or $DSPARKJAX_COMMIT where the
-    checkout has no git history (a copied working tree)."""
+    """$DSPARKJAX_COMMIT when set (a copied working tree, whose .git may be another commit's), else HEAD of the
+    checkout this script runs from ('+dirty' with changes)."""
+    if os.environ.get("DSPARKJAX_COMMIT"):
+        return os.environ["DSPARKJAX_COMMIT"]
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, check=True)
@@ -269,7 +271,7 @@ def git_commit() -> str | None:
                                capture_output=True, text=True, check=True).stdout.strip()
         return head.stdout.strip() + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("DSPARKJAX_COMMIT")
+        return None
 
 
 def count_files(folder: str | None) -> int:
