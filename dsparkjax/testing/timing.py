@@ -37,9 +37,8 @@ def copy_bandwidth(mib: int = 1024, reps: int = 10) -> float:
     """Bytes/s of a device copy (bytes read + bytes written) of a `mib` MiB float32 buffer: the ceiling that
     memory-bound kernels are measured against, timed like them (`seconds_per_call`: the slope between
     programs of four and eight copies of distinct buffers, each the fastest of `reps`; 16 buffers of `mib` MiB
-    in all), so that dispatch and synchronisation count in neither. One copy timed alone by wall clock read
-    2986 GB/s on an H200 whose copy kernel Nsight Compute timed at 4325 GB/s; a slope over one extra copy
-    moved between 3588 and 4484 GB/s from run to run (docs/PERFORMANCE.md, run 6)."""
+    in all), so that dispatch and synchronisation count in neither: a copy timed alone by wall clock, or a slope
+    over one extra copy, reads far from the copy kernel's own rate (docs/perf_log/kernels.md)."""
     n = (mib << 20) // 4
     bufs = [jnp.full((n,), float(i), jnp.float32) for i in range(8)]
     copies = jax.jit(lambda bs: [device_copy(b) for b in bs])
