@@ -41,7 +41,7 @@ def _release_compiled_programs():
     yield
     jax.clear_caches()
     for obj in gc.get_objects():
-        if isinstance(obj, functools._lru_cache_wrapper) and getattr(obj, "__module__", "").startswith(
+        if type(obj) is functools._lru_cache_wrapper and getattr(obj, "__module__", "").startswith(
                 ("dsparkjax", "test_", "model_helpers", "hf_reference")):
             obj.cache_clear()
     gc.collect()

@@ -107,7 +107,9 @@ def test_insane_metadata_values_name_the_key_and_limit(base, tmp_path, key, valu
     refused(base, tmp_path, Mutation("", ((base[2].keys[key][2], value),)), f"metadata key {key}", expected)
 
 
-def test_window_beyond_memory_is_a_budget_error_naming_the_key(base, tmp_path):
+def test_window_beyond_memory_is_a_budget_error_naming_the_key(base, tmp_path, monkeypatch):
+    # A fixed 1 GiB budget: the machine's free memory must not decide whether this window's state fits.
+    monkeypatch.setattr(footprint, "available_bytes", lambda: (1 << 30, "are available on the host"))
     key = "deepseek4.attention.sliding_window"
     refused(base, tmp_path, Mutation("", ((base[2].keys[key][2], u32(2**24)),)), key, "GB",
             cls=MemoryBudgetError)
