@@ -63,7 +63,7 @@ def temperature(value: Any) -> float:
 
 
 PROPOSER_MEMBERS = ("block_size", "capture_layers", "has_confidence", "init_state", "precompile", "absorb",
-                    "propose")
+                    "propose", "propose_sampled")
 
 
 def proposer(drafter: Any) -> None:
@@ -80,7 +80,7 @@ def generate_arguments(target: Any, prompts: Any, drafter: Any, max_new_tokens: 
     arrays = prompt_list(prompts)
     positive_int(max_new_tokens, "max_new_tokens")
     positive_int(prefill_chunk, "prefill_chunk")
-    choice(verify, "verify", ("exact", "fast"))
+    choice(verify, "verify", ("exact", "fast", "lossless"))
     choice(mode, "mode", ("spec", "ar", None))
     temperature(temperature_)
     if drafter is not None:

@@ -31,6 +31,7 @@ from dsparkjax.decoding.decoder import DEFAULT_BLOCK, plain_proposal
 from dsparkjax.decoding.generate import generate
 from dsparkjax.decoding.program import LoopState, StepOutcome, decode_program
 from dsparkjax.decoding.proposer import Drafter, load_drafter
+from dsparkjax.decoding.sampling import RowSampling
 from dsparkjax.decoding.width import WidthPolicy
 from dsparkjax.ggufio.reader import open_gguf
 from dsparkjax.ggufio.writer import QUANT_RECIPE_KEY
@@ -118,8 +119,8 @@ class Runner:
 
     @staticmethod
     def loop(state: DecodeState, seeds: Any, active: Any, ewma: Any) -> LoopState:
-        return LoopState(state=state, proposer=None, seeds=seeds, ewma=ewma, key=jax.random.PRNGKey(0),
-                         temperature=jnp.float32(1e-6), active=active)
+        return LoopState(state=state, proposer=None, seeds=seeds, ewma=ewma,
+                         sampling=RowSampling.greedy(active.shape[0]), active=active)
 
     def state(self, batch: int, capacity: int) -> DecodeState:
         return init_state(self.target.config, batch, capacity, EXACT_WIDTH, self.target.dtype)
@@ -136,7 +137,7 @@ class Runner:
              ) -> tuple[DecodeState, jax.Array, StepOutcome]:
         """One decode step; returns (the committed state, the next seeds, the outcome). The next seeds are the
         loop's, not the outcome's bonus buffer: the next step donates them, and the outcome is read later. The loop's other values (active mask,
-        EWMA, key) come from this batch's last step (as generate threads them), so no step builds new buffers."""
+        EWMA, sampling rows) come from this batch's last step (as generate threads them), so no step builds new buffers."""
         batch = seeds.shape[0]
         if batch not in self._loops:
             self._loops[batch] = self.loop(state, seeds, jnp.ones((batch,), bool), jnp.zeros((batch,), jnp.float32))

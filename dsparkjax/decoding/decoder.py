@@ -6,11 +6,15 @@ dispatch ahead of time (`compile`), prefills prompts into rows (`prefill`, share
 `generate`) and runs one decode step (`step`). It holds no mutable state: the loop's values travel in the
 `LoopState` it is given and returns. `Engine` (engine.py) drives it step by step.
 
-Verification modes (`exactness.md`):
+Verification modes (`exactness.md`, `spec_sampling.md`):
 - "exact": every decode step, plain and speculative alike, runs the one program of width 1 + block, with
   padding rows where there are fewer candidates. XLA computes a row of a fixed-shape program independently
-  of its index and of the other rows, so speculative output equals plain greedy output bit for bit.
+  of its index and of the other rows, so speculative output equals plain greedy output bit for bit; when
+  sampling, a candidate is accepted iff it equals the target's keyed sample, so speculative output equals
+  plain sampled output with the same seeds.
 - "fast": a program per width q (plain decoding uses q = 1); cheaper, and may differ on near-tied logits.
+- "lossless": exact mode's one program, with the lossless rejection-sampling rule when sampling (the target's
+  distribution, not plain sampling's tokens; more candidates accepted). Greedy rows are decoded greedily.
 """
 
 from __future__ import annotations
@@ -25,8 +29,10 @@ import numpy as np
 
 from dsparkjax import footprint
 from dsparkjax.aot import AotFunction
+from dsparkjax.decoding import sampling
 from dsparkjax.decoding.program import LoopState, RowsOut, StepOutcome, decode_program, prefill_program
 from dsparkjax.decoding.proposer import Proposer
+from dsparkjax.decoding.sampling import RowSampling
 from dsparkjax.decoding.width import WidthPolicy, policy_for
 from dsparkjax.model.state import init_state
 from dsparkjax.target_api import Target
@@ -58,14 +64,15 @@ class Decoder:
     max_step: int  # the widest step (prefill chunk or decode width) the state's rings hold
     prefill_chunk: int
     block: int = DEFAULT_BLOCK  # candidates per proposal; exact mode's width is block + 1
-    verify: Literal["exact", "fast"] = "exact"
+    verify: Literal["exact", "fast", "lossless"] = "exact"
     policy: WidthPolicy = WidthPolicy("fixed", fixed_q=1, max_q=1)
-    sample: bool = False  # sample plain decoding's tokens at the loop's temperature, else greedy
+    sample: bool = False  # rows may sample (their RowSampling parameters); else every row is greedy
     capture_layers: tuple[int, ...] = ()  # target layers whose features the proposer reads
 
     @classmethod
     def for_prompts(cls, target: Target, drafter: Proposer | None, *, speculative: bool, lengths: list[int],
-                    max_new_tokens: int, verify: Literal["exact", "fast"], width: int | str | WidthPolicy,
+                    max_new_tokens: int, verify: Literal["exact", "fast", "lossless"],
+                    width: int | str | WidthPolicy,
                     prefill_chunk: int, sample: bool) -> Decoder:
         """The decoder `generate` runs for prompts of `lengths` tokens, one row each. A plain run given a
         drafter still captures its features, so plain and speculative runs share the target programs."""
@@ -85,23 +92,33 @@ class Decoder:
         return self.block + 1
 
     @property
+    def lossless(self) -> bool:
+        """Whether speculative steps use the lossless rule (sampling rows with a proposer, verify="lossless")."""
+        return self.verify == "lossless" and self.sample and self.proposer is not None
+
+    @property
+    def draft_noise(self) -> int:
+        """The noise purpose the proposer samples with: the target's own in exact and fast modes (the coupling
+        that makes accepted candidates the plain run's tokens), an independent one in lossless mode."""
+        return sampling.DRAFT if self.lossless else sampling.TARGET
+
+    @property
     def widths(self) -> tuple[int, ...]:
-        """The decode widths this decoder dispatches: exact mode's one; plain fast decoding's 1; fast
-        speculative decoding's 1..block + 1, one per proposer width."""
-        if self.verify == "exact":
+        """The decode widths this decoder dispatches: exact and lossless modes' one; plain fast decoding's 1;
+        fast speculative decoding's 1..block + 1, one per proposer width."""
+        if self.verify != "fast":
             return (self.exact_width,)
         return (1,) if self.proposer is None else tuple(range(1, self.exact_width + 1))
 
-    def init(self, temperature: float = 0.0, seed: int = 0) -> LoopState:
-        """Empty rows: a fresh decode state and proposer state, no sequence active."""
+    def init(self) -> LoopState:
+        """Empty rows: a fresh decode state and proposer state, no sequence active, every row greedy."""
         cfg, batch = self.target.config, self.batch
         footprint.check_state_budget(cfg, batch, self.max_len, self.max_step, self.target.dtype, self.target.path)
         return LoopState(
             state=init_state(cfg, batch, self.max_len, self.max_step, self.target.dtype),
             proposer=self.proposer.init_state(batch, self.max_step) if self.proposer is not None else None,
             seeds=jnp.zeros((batch,), jnp.int32), ewma=jnp.full((batch,), self.policy.ewma_init, jnp.float32),
-            key=jax.random.PRNGKey(seed), temperature=jnp.float32(max(temperature, 1e-6)),
-            active=jnp.zeros((batch,), jnp.bool_))
+            sampling=RowSampling.greedy(batch), active=jnp.zeros((batch,), jnp.bool_))
 
     def compile(self, loop: LoopState) -> None:
         """Compile every program `prefill` and `step` can dispatch for `loop`'s shapes, before any runs."""
@@ -111,13 +128,16 @@ class Decoder:
                                 valid=ints, restart=flags, ends=flags, ewma_init=jnp.float32(0),
                                 sample=self.sample)
         drafts = jax.ShapeDtypeStruct((batch, self.block), jnp.int32)
+        lossless = self._lossless_args(
+            jax.ShapeDtypeStruct((batch, self.block, self.target.config.vocab_size), jnp.float32))
         for width in self.widths:
             self._decode().compile(params, loop, drafts=drafts, widths=ints, width=width,
-                                   ewma_decay=self.policy.ewma_decay, sample=self.sample)
+                                   ewma_decay=self.policy.ewma_decay, sample=self.sample, **lossless)
         if self.proposer is None:
             plain_proposal.compile(ints, self.block)
         else:
-            self.proposer.precompile(loop.proposer, tuple({self.prefill_chunk, *self.widths}))
+            self.proposer.precompile(loop.proposer, tuple({self.prefill_chunk, *self.widths}),
+                                     (loop.sampling, self.draft_noise) if self.sample else None)
             _width_fn(self.policy).compile(jax.ShapeDtypeStruct((batch, self.block), jnp.float32),
                                            jax.ShapeDtypeStruct((batch,), jnp.float32))
 
@@ -163,17 +183,27 @@ class Decoder:
         the widest of their proposer widths, the one read back here); lengths: int `[B]`, an upper bound of
         their committed lengths, to refuse a step past the state's max_len.
         """
+        draft_logits = None
         if self.proposer is not None:
-            drafts, confidences = self.proposer.propose(loop.proposer, loop.seeds, loop.state.length)
+            if self.sample:
+                drafts, confidences, draft_logits = self.proposer.propose_sampled(
+                    loop.proposer, loop.seeds, loop.state.length, loop.sampling, self.draft_noise)
+            else:
+                drafts, confidences = self.proposer.propose(loop.proposer, loop.seeds, loop.state.length)
             widths = _width_fn(self.policy)(confidences, loop.ewma)
-            width = self.exact_width if self.verify == "exact" else int(np.asarray(widths)[running].max())
+            width = self.exact_width if self.verify != "fast" else int(np.asarray(widths)[running].max())
         else:
             drafts, widths = plain_proposal(loop.seeds, self.block)
-            width = self.exact_width if self.verify == "exact" else 1
+            width = self.exact_width if self.verify != "fast" else 1
         loop.state.check_step(width, lengths[running])
         loop, rows, outcome = self._decode()(self.target.params, loop, drafts=drafts, widths=widths, width=width,
-                                             ewma_decay=self.policy.ewma_decay, sample=self.sample)
+                                             ewma_decay=self.policy.ewma_decay, sample=self.sample,
+                                             **self._lossless_args(draft_logits))
         return self._absorb(loop, rows), outcome, widths
+
+    def _lossless_args(self, draft_logits: object) -> dict[str, object]:
+        """The decode program's lossless-rule arguments: none unless this decoder uses the rule."""
+        return dict(draft_logits=draft_logits, lossless=True) if self.lossless else {}
 
     def _absorb(self, loop: LoopState, rows: RowsOut) -> LoopState:
         if self.proposer is None:

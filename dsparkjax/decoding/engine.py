@@ -1,7 +1,9 @@
 """A step-level decoding engine: sequences join and leave between steps (continuous batching).
 
-`admit(prompt)` puts a prompt into a free row; `step()` prefills the newly admitted rows, queues one decode
-step of every running row and returns the tokens each row emitted; `release(row)` frees a row. The programs
+`admit(prompt, sampling, seed)` puts a prompt into a free row with its own sampling parameters and seed;
+`step()` prefills the newly admitted rows, queues one decode step of every running row and returns the
+tokens each row emitted; `release(row)` frees a row. Sampling parameters are per-row arrays of the loop
+state, so rows that sample differently (or greedily) run in the same compiled programs. The programs
 are compiled once when the engine is built (`Decoder.compile`) and reused whatever the rows hold: a row's
 tokens never depend on the others (exact mode), so admitting a sequence mid-run gives the tokens it would
 give alone.
@@ -22,6 +24,7 @@ import numpy as np
 
 from dsparkjax.decoding.decoder import Decoder
 from dsparkjax.decoding.program import StepOutcome
+from dsparkjax.decoding.sampling import GREEDY, RowSampling, SamplingParams, check_seed
 from dsparkjax.errors import ArgumentError, CapacityError, TokenIdError
 
 
@@ -48,10 +51,13 @@ class _InFlight:
 class Engine:
     """Rows of one `Decoder` that sequences are admitted to and released from between steps."""
 
-    def __init__(self, decoder: Decoder, *, temperature: float = 0.0, seed: int = 0):
+    def __init__(self, decoder: Decoder):
         self.decoder = decoder
-        self.loop = decoder.init(temperature, seed)
+        self.loop = decoder.init()
         decoder.compile(self.loop)
+        self._sampling = [GREEDY] * decoder.batch  # each row's parameters and seed, as the loop state holds them
+        self._seeds = [0] * decoder.batch
+        self._sampling_changed = False
         self._pending: dict[int, np.ndarray] = {}  # admitted, not yet prefilled
         self._running: dict[int, int] = {}  # row -> ticket, prefilled and decoding
         self._tickets = 0
@@ -65,8 +71,19 @@ class Engine:
     def free_rows(self) -> list[int]:
         return [row for row in range(self.decoder.batch) if row not in self._ticket_of]
 
-    def admit(self, prompt: Sequence[int] | np.ndarray) -> int:
-        """Put `prompt` (token ids) into a free row, prefilled at the next `step()` or `prefill()`; returns the row."""
+    def admit(self, prompt: Sequence[int] | np.ndarray, sampling: SamplingParams = GREEDY, seed: int = 0) -> int:
+        """Put `prompt` (token ids) into a free row, prefilled at the next `step()` or `prefill()`; returns the row.
+
+        sampling: how this sequence samples (greedy by default; sampling needs a decoder built with
+        `sample=True`); seed: its seed in [0, 2**32): its sampled tokens depend on the seed, the prompt and
+        the parameters only, not on the row or on the other sequences.
+        """
+        if not isinstance(sampling, SamplingParams):
+            raise ArgumentError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        seed = check_seed(seed)
+        if not sampling.greedy and not self.decoder.sample:
+            raise ArgumentError(f"sampling: temperature {sampling.temperature} > 0, but this engine's decoder decodes "
+                                "greedily (build it with sample=True)")
         free = self.free_rows
         if not free:
             raise CapacityError(f"no free row: all {self.decoder.batch} rows of the engine are in use")
@@ -81,6 +98,9 @@ class Engine:
         self._tickets += 1
         self._ticket_of[row] = self._tickets
         self._pending[row] = prompt
+        if (sampling, seed) != (self._sampling[row], self._seeds[row]):
+            self._sampling[row], self._seeds[row] = sampling, seed
+            self._sampling_changed = True
         return row
 
     def release(self, row: int) -> None:
@@ -95,6 +115,9 @@ class Engine:
         """Prefill the admitted rows (batched): row -> its first token."""
         if not self._pending:
             return {}
+        if self._sampling_changed:  # new arrays only when an admission changed a row's parameters
+            self.loop = self.loop.replace(sampling=RowSampling.of(self._sampling, self._seeds))
+            self._sampling_changed = False
         self.loop, first = self.decoder.prefill(self.loop, self._pending)
         for row, prompt in self._pending.items():
             self._lengths[row] = len(prompt)

@@ -1,4 +1,5 @@
-"""Batched generation: plain (AR) or speculative with a proposer, exact or fast verification.
+"""Batched generation: plain (AR) or speculative with a proposer, exact, fast or lossless verification,
+greedy or sampled.
 
 A thin driver of the `Engine` (engine.py): it checks the arguments, builds the `Decoder` for the prompts,
 admits every prompt, and steps until each sequence stops, emitting tokens through `on_token`. The decoding
@@ -8,7 +9,7 @@ itself (prefill, propose, verify, accept, commit) is in decoder.py and program.p
 from __future__ import annotations
 
 import dataclasses
-import sys
+import numbers
 import time
 from typing import Callable, Literal, Sequence
 
@@ -16,7 +17,9 @@ from dsparkjax import validation
 from dsparkjax.decoding.decoder import Decoder
 from dsparkjax.decoding.engine import Emitted, Engine
 from dsparkjax.decoding.proposer import Proposer
+from dsparkjax.decoding.sampling import SamplingParams, check_seed
 from dsparkjax.decoding.width import WidthPolicy
+from dsparkjax.errors import ArgumentError
 from dsparkjax.target_api import Target
 
 OnToken = Callable[[int, int], "bool | None"]  # (sequence index, token id) -> False to cancel the sequence
@@ -81,26 +84,33 @@ def generate(
     *,
     drafter: Proposer | None = None,
     max_new_tokens: int = 64,
-    verify: Literal["exact", "fast"] = "exact",
+    verify: Literal["exact", "fast", "lossless"] = "exact",
     width: int | str | WidthPolicy = "adaptive",
     on_token: OnToken | None = None,
     mode: Literal["spec", "ar"] | None = None,
     temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
     prefill_chunk: int = 16,
-    seed: int = 0,
+    seed: int | Sequence[int] = 0,
     stop_tokens: Sequence[int] | None = None,
     progress: bool = False,
 ) -> list[Result]:
-    """Generate up to `max_new_tokens` after each prompt (token ids), batched, greedy.
+    """Generate up to `max_new_tokens` after each prompt (token ids), batched, greedy or sampled.
 
     Args:
       drafter: a Proposer (e.g. `load_drafter(...)`); with one, `mode` defaults to "spec", else "ar". An AR
         run given a drafter still captures its features, so AR and spec run identical target programs.
-      verify: "exact" (one program width for every step; spec output == AR output token for token) or "fast".
+      verify: "exact" (one program width for every step; spec output == AR output token for token, greedy
+        or sampled with the same seeds), "fast" (a program per width) or "lossless" (when sampling: the
+        rejection-sampling rule, output with the target's distribution but not AR's tokens; greedy otherwise).
       width: "adaptive" (confidence policy, or EWMA without a confidence head), a fixed q in 1..block+1, or
         a WidthPolicy with its own thresholds.
       on_token: called with (sequence index, token) for every emitted token; returning False cancels it.
-      temperature: > 0 samples; speculative decoding is greedy-only, so this falls back to plain decoding.
+      temperature, top_k, top_p, min_p: the sampling parameters (`SamplingParams`; temperature 0: greedy).
+      seed: a sequence's seed, or an int s giving sequence i the seed s + i; its sampled tokens depend on
+        its seed, prompt and parameters, not on the batch.
       stop_tokens: tokens that end a sequence (emitted, then stop); default: the target's eos id.
     Returns:
       one Result per prompt, in order.
@@ -109,16 +119,15 @@ def generate(
     """
     arrays, mode = validation.generate_arguments(target, prompts, drafter, max_new_tokens, verify, mode,
                                                  temperature, prefill_chunk)
-    if temperature > 0 and mode == "spec":
-        print(f"notice: temperature {temperature} > 0: speculative decoding is greedy-only; "
-              "falling back to plain (AR) decoding", file=sys.stderr)
-        mode = "ar"
+    params = SamplingParams(temperature, top_k, top_p, min_p)
+    seeds = _sequence_seeds(seed, len(arrays))
     decoder = Decoder.for_prompts(target, drafter, speculative=mode == "spec", lengths=[len(a) for a in arrays],
                                   max_new_tokens=max_new_tokens, verify=verify, width=width,
-                                  prefill_chunk=prefill_chunk, sample=temperature > 0)
-    engine = Engine(decoder, temperature=temperature, seed=seed)
+                                  prefill_chunk=prefill_chunk, sample=not params.greedy)
+    engine = Engine(decoder)
     stops = frozenset(stop_tokens if stop_tokens is not None else (target.config.eos_token_id,))
-    sequences = {engine.admit(a): _Sequence(i, max_new_tokens, stops, on_token) for i, a in enumerate(arrays)}
+    sequences = {engine.admit(a, params, s): _Sequence(i, max_new_tokens, stops, on_token)
+                 for i, (a, s) in enumerate(zip(arrays, seeds))}
     results = [s.result for s in sequences.values()]
     bar = None
     if progress:
@@ -142,3 +151,12 @@ def generate(
     for s in finished:
         s.result.tok_per_s = len(s.result.token_ids) / max(s.finished_at - start, 1e-9)
     return results
+
+
+def _sequence_seeds(seed: int | Sequence[int], count: int) -> list[int]:
+    """One seed per sequence: `seed` + i for an int, else the given ones (as many as prompts)."""
+    if isinstance(seed, numbers.Integral) and not isinstance(seed, bool):
+        return [check_seed(int(seed) + i, "seed") for i in range(count)]
+    if isinstance(seed, (str, bytes)) or not isinstance(seed, Sequence) or len(seed) != count:
+        raise ArgumentError(f"seed must be an integer or a list of one per prompt ({count}), got {seed!r}")
+    return [check_seed(s, f"seed {i}") for i, s in enumerate(seed)]

@@ -2,14 +2,18 @@
 
 Both take and return one `LoopState`, donated, so the new state lives in the old state's buffers and the
 committed state never leaves the device between steps. Their arguments are keywords; the step width, the
-EWMA decay and whether to sample are static (part of the jit key); everything else is traced, so a width's
-program is traced and compiled once and reused by every step of every run with the same shapes.
+EWMA decay, whether to sample and the verification rule are static (part of the jit key); everything else
+is traced, so a width's program is traced and compiled once and reused by every step of every run with the
+same shapes. Sampling parameters are per-row arrays of the loop state, so rows that sample differently (or
+not at all) share one program.
 
 - `prefill_program`: one chunk of prompt tokens through the target step, committed, and for the rows whose
   prompt ends in the chunk their first token (the seed of decoding). `forward` and `generate` both run it.
 - `decode_program`: one decode step. It builds the rows `[seed, c_1 .. c_{w-1}]`, runs the target step,
-  takes the greedy argmax of every row, accepts the longest matching prefix of candidates, picks the bonus
-  token and commits seed + accepted rows of the active sequences. One program rather than a chain of small
+  takes the target's token at every row (the greedy argmax, or when sampling the keyed sample of
+  decoding/sampling.py), accepts the longest prefix of candidates equal to them (or, with the lossless
+  rule, by decoding/verify.py), picks the bonus token and commits seed + accepted rows of the active
+  sequences. One program rather than a chain of small
   ones: the host dispatches one executable per step. Plain and speculative decoding call the same
   executable (it never depends on the proposer), so a row's logits are computed by the same code whatever
   the other rows hold.
@@ -26,6 +30,9 @@ from flax import struct
 
 from dsparkjax.aot import AotFunction
 from dsparkjax.config import TargetConfig
+from dsparkjax.decoding import sampling
+from dsparkjax.decoding.sampling import RowSampling
+from dsparkjax.decoding.verify import lossless_rule
 from dsparkjax.decoding.width import accepted_candidates, ewma_update
 from dsparkjax.model.params import TargetParams
 from dsparkjax.model.state import DecodeState, commit, reset
@@ -40,8 +47,7 @@ class LoopState:
     proposer: Any  # the proposer's state pytree, None in plain decoding
     seeds: jax.Array  # int32 [B], each row's last emitted token, not yet in the decode state
     ewma: jax.Array  # float32 [B], acceptance EWMA: the width policy's statistic
-    key: jax.Array  # PRNG key, advanced only when sampling
-    temperature: jax.Array  # float32 [], the sampling temperature
+    sampling: RowSampling  # per-row sampling parameters and sequence seeds (greedy rows: temperature 0)
     active: jax.Array  # bool [B], rows whose sequences are running: the others commit nothing
 
 
@@ -63,25 +69,43 @@ class RowsOut:
     positions: jax.Array  # int32 [B, W], the rows' positions
 
 
-def pick_token(logits: jax.Array, rows: jax.Array, temperature: jax.Array, key: jax.Array, sample: bool) -> jax.Array:
-    """The next token int32 `[B]` after row `rows[b]` (int32 `[B]`) of logits float32 `[B, W, V]`: the argmax,
-    or when `sample` a draw at `temperature` with `key`."""
-    picked = jnp.take_along_axis(logits, rows[:, None, None], axis=1)[:, 0]
-    if sample:
-        return jax.random.categorical(key, picked / temperature).astype(jnp.int32)
-    return jnp.argmax(picked, axis=-1).astype(jnp.int32)
-
-
 def outcome_of(logits: jax.Array, candidates: jax.Array, widths: jax.Array) -> StepOutcome:
     """Greedy acceptance of candidates int32 `[B, W - 1]` against logits float32 `[B, W, V]`, counting the
     first `widths` int32 `[B]` rows of each sequence."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    matched = accepted_candidates(candidates, greedy, widths)
-    bad = (candidates < 0) | (candidates >= logits.shape[-1])
+    return outcome_of_tokens(greedy, candidates, widths, logits.shape[-1])
+
+
+def outcome_of_tokens(tokens: jax.Array, candidates: jax.Array, widths: jax.Array, vocab: int) -> StepOutcome:
+    """Acceptance of candidates int32 `[B, W - 1]` equal to the target's tokens int32 `[B, W]` (its argmax, or
+    its keyed samples), counting the first `widths` int32 `[B]` rows; the bonus is the token after them."""
+    matched = accepted_candidates(candidates, tokens, widths)
+    bonus = jnp.take_along_axis(tokens, matched[:, None], axis=1)[:, 0]
+    return StepOutcome(candidates, matched, bonus, first_bad(candidates, vocab))
+
+
+def first_bad(candidates: jax.Array, vocab: int) -> jax.Array:
+    """The smallest candidate id outside [0, vocab), or −1 if none is: int32 []."""
+    bad = (candidates < 0) | (candidates >= vocab)
     never = jnp.iinfo(jnp.int32).max
-    first_bad = jnp.where(jnp.any(bad), jnp.min(jnp.where(bad, candidates, never), initial=never), -1)
-    bonus = jnp.take_along_axis(greedy, matched[:, None], axis=1)[:, 0]
-    return StepOutcome(candidates, matched, bonus, first_bad)
+    return jnp.where(jnp.any(bad), jnp.min(jnp.where(bad, candidates, never), initial=never), -1)
+
+
+def lossless_outcome(logits: jax.Array, draft_logits: jax.Array, candidates: jax.Array, widths: jax.Array,
+                     rows: RowSampling, positions: jax.Array) -> StepOutcome:
+    """The lossless rule (decoding/verify.py) on a step's logits float32 `[B, W, V]`, the (warped) logits
+    float32 `[B, >= W - 1, V]` the candidates int32 `[B, W - 1]` were drawn from (q is their softmax), and the positions int32 `[B, W]`
+    each row predicts. Coins, residual and bonus draws use the sequences' keyed noise; a bonus after
+    accepted candidates is the target's own keyed sample, as plain sampling draws it."""
+    samples, warped = sampling.draw(logits, rows, positions, sampling.TARGET)
+    k = candidates.shape[1]
+    coins = sampling.uniform(rows, positions[:, :k], sampling.ACCEPT)
+    q = jax.nn.softmax(draft_logits[:, :k], axis=-1)
+    matched, rejected, final = lossless_rule(jax.nn.softmax(warped, axis=-1), q, candidates, widths, coins)
+    position = jnp.take_along_axis(positions, matched[:, None], axis=1)
+    redrawn = sampling.gumbel_argmax(jnp.log(final)[:, None], rows, position, sampling.RESIDUAL)[:, 0]
+    bonus = jnp.where(rejected, redrawn, jnp.take_along_axis(samples, matched[:, None], axis=1)[:, 0])
+    return StepOutcome(candidates, matched, bonus, first_bad(candidates, logits.shape[-1]))
 
 
 def _target_rows(model: TargetModel, params: TargetParams, state: DecodeState, tokens: jax.Array
@@ -109,9 +133,14 @@ def prefill_program(cfg: TargetConfig, options: StepOptions) -> AotFunction:
                 restart: jax.Array, ends: jax.Array, ewma_init: jax.Array, sample: bool
                 ) -> tuple[LoopState, RowsOut, jax.Array, jax.Array]:
         logits, rows, state = _target_rows(model, params, reset(loop.state, restart), tokens)
-        key, sub = jax.random.split(loop.key) if sample else (loop.key, loop.key)
-        first = pick_token(logits, jnp.maximum(valid - 1, 0), loop.temperature, sub, sample)
-        loop = loop.replace(state=commit(state, valid), key=key, seeds=jnp.where(ends, first, loop.seeds),
+        last = jnp.maximum(valid - 1, 0)[:, None]
+        picked = jnp.take_along_axis(logits, last[:, :, None], axis=1)[:, 0]
+        if sample:  # the first token's position is the prompt's length
+            position = jnp.take_along_axis(rows.positions, last, axis=1) + 1
+            first = sampling.draw(picked[:, None], loop.sampling, position, sampling.TARGET)[0][:, 0]
+        else:
+            first = jnp.argmax(picked, axis=-1).astype(jnp.int32)
+        loop = loop.replace(state=commit(state, valid), seeds=jnp.where(ends, first, loop.seeds),
                             ewma=jnp.where(ends, ewma_init, loop.ewma))
         return loop, rows, logits, first
 
@@ -120,32 +149,39 @@ def prefill_program(cfg: TargetConfig, options: StepOptions) -> AotFunction:
 
 @functools.lru_cache(maxsize=None)
 def decode_program(cfg: TargetConfig, options: StepOptions) -> AotFunction:
-    """`program(params, loop, *, drafts, widths, width, ewma_decay, sample) -> (loop, RowsOut, StepOutcome)`.
+    """`program(params, loop, *, drafts, widths, width, ewma_decay, sample, draft_logits=None, lossless=False)`
+    `-> (loop, RowsOut, StepOutcome)`.
 
     drafts int32 `[B, >= width - 1]` (the first width − 1 are verified after each row's seed); widths int32
-    `[B]` (rows that count, 1 for plain decoding). With `sample`, plain decoding's next token is drawn from
-    row 0 at the loop's temperature. `loop` is donated; its seeds become the bonus tokens, its EWMA is
-    updated with `ewma_decay`. The EWMA decay, not the whole WidthPolicy, is static: policies that differ
-    only in how they choose widths share one compiled step.
+    `[B]` (rows that count, 1 for plain decoding). Without `sample` the target's tokens are its argmax; with
+    it, each row's keyed sample at the position it predicts (greedy rows: the argmax), and a candidate is
+    accepted iff it equals that sample — or, with `lossless`, by the lossless rule against `draft_logits`
+    float32 `[B, >= width - 1, V]` (what the candidates were drawn from). `loop` is donated; its seeds
+    become the bonus tokens, its EWMA is updated with `ewma_decay`. The EWMA decay, not the whole
+    WidthPolicy, is static: policies that differ only in how they choose widths share one compiled step.
     """
     model = TargetModel(cfg, options)
 
     def program(params: TargetParams, loop: LoopState, *, drafts: jax.Array, widths: jax.Array, width: int,
-                ewma_decay: float, sample: bool) -> tuple[LoopState, RowsOut, StepOutcome]:
+                ewma_decay: float, sample: bool, draft_logits: jax.Array | None = None, lossless: bool = False
+                ) -> tuple[LoopState, RowsOut, StepOutcome]:
         candidates = drafts[:, : width - 1]
         logits, rows, state = _target_rows(model, params, loop.state,
                                            jnp.concatenate([loop.seeds[:, None], candidates], axis=1))
-        outcome = outcome_of(logits, candidates, widths)
-        key = loop.key
-        if sample:
-            key, sub = jax.random.split(key)
-            outcome = outcome.replace(bonus=pick_token(logits, jnp.zeros_like(loop.seeds), loop.temperature, sub,
-                                                       True))
-        loop = loop.replace(state=commit(state, jnp.where(loop.active, outcome.matched + 1, 0)), key=key,
+        positions = rows.positions + 1  # row r predicts the token at position length + r + 1
+        if not sample:
+            outcome = outcome_of(logits, candidates, widths)
+        elif lossless:
+            outcome = lossless_outcome(logits, draft_logits, candidates, widths, loop.sampling, positions)
+        else:
+            samples, _ = sampling.draw(logits, loop.sampling, positions, sampling.TARGET)
+            outcome = outcome_of_tokens(samples, candidates, widths, logits.shape[-1])
+        loop = loop.replace(state=commit(state, jnp.where(loop.active, outcome.matched + 1, 0)),
                             seeds=outcome.bonus, ewma=ewma_update(loop.ewma, outcome.matched, ewma_decay))
         return loop, rows, outcome
 
-    return AotFunction(program, donate_argnames=("loop",), static_argnames=("width", "ewma_decay", "sample"))
+    return AotFunction(program, donate_argnames=("loop",),
+                       static_argnames=("width", "ewma_decay", "sample", "lossless"))
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,7 +1,8 @@
 """What the speculative loop needs from a drafter, and the DSpark drafter loaded from its GGUF.
 
 The loop talks to a `Proposer`: it absorbs the target's captured features of verified rows, and proposes
-`block_size` candidates after each seed. `Drafter` is the DSpark implementation; tests plug in others (an
+`block_size` candidates after each seed, greedily (`propose`) or, when the loop samples, drawn with the
+sequence's keyed noise from a distribution it reports (`propose_sampled`, decoding/sampling.py). `Drafter` is the DSpark implementation; tests plug in others (an
 oracle that knows the target's greedy continuation) through the same protocol.
 """
 
@@ -16,6 +17,7 @@ import jax.numpy as jnp
 
 from dsparkjax.aot import AotFunction
 from dsparkjax.config import DrafterConfig
+from dsparkjax.decoding.sampling import RowSampling
 from dsparkjax.ggufio.contract import open_drafter
 from dsparkjax.kernels.policy import KernelPolicy
 from dsparkjax.model.drafter import DrafterModel, DrafterState, init_drafter_state
@@ -34,8 +36,10 @@ class Proposer(Protocol):
     def init_state(self, batch: int, max_step: int) -> Any:
         """Empty proposer state for `batch` sequences and absorbed steps of up to `max_step` rows."""
 
-    def precompile(self, state: Any, widths: tuple[int, ...]) -> None:
-        """Compile ahead of time whatever `absorb` (for these row counts) and `propose` will run."""
+    def precompile(self, state: Any, widths: tuple[int, ...], sampled: tuple[RowSampling, int] | None = None
+                   ) -> None:
+        """Compile ahead of time whatever `absorb` (for these row counts) and `propose` will run; with
+        `sampled` (rows, purpose) `propose_sampled` instead of `propose`."""
 
     def absorb(self, state: Any, features: jax.Array, positions: jax.Array) -> Any:
         """Take the target features `[B, C, n_capture, D]` of rows at positions `[B, C]`."""
@@ -43,11 +47,19 @@ class Proposer(Protocol):
     def propose(self, state: Any, seeds: jax.Array, seed_pos: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Candidates int32 `[B, block_size]` and confidences float32 `[B, block_size]` after seeds `[B]`."""
 
+    def propose_sampled(self, state: Any, seeds: jax.Array, seed_pos: jax.Array, rows: RowSampling, purpose: int
+                        ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Sampled candidates, their confidences, and the logits float32 `[B, block_size, V]` each candidate was
+        drawn from (softmax of them is exactly the distribution sampled: the lossless rule's q). Candidate i
+        predicts position seed_pos + i + 1 and uses the keyed noise of that position and `purpose`."""
+
 
 @functools.lru_cache(maxsize=None)
-def _compiled(cfg: DrafterConfig, simulate_qat: bool, policy: KernelPolicy) -> tuple[AotFunction, AotFunction]:
+def _compiled(cfg: DrafterConfig, simulate_qat: bool, policy: KernelPolicy
+              ) -> tuple[AotFunction, AotFunction, AotFunction]:
     model = DrafterModel(cfg, simulate_qat, policy)
-    return AotFunction(model.absorb, donate_argnums=(1,)), AotFunction(model.propose)
+    return (AotFunction(model.absorb, donate_argnums=(1,)), AotFunction(model.propose),
+            AotFunction(model.propose_sampled, static_argnums=(7,)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,23 +86,35 @@ class Drafter:
     def init_state(self, batch: int, max_step: int) -> DrafterState:
         return init_drafter_state(self.config, batch, max_step, self.target.dtype)
 
-    def precompile(self, state: DrafterState, widths: tuple[int, ...]) -> None:
-        absorb, propose = _compiled(self.config, self.target.simulate_qat, self.target.options().policy)
+    def precompile(self, state: DrafterState, widths: tuple[int, ...],
+                   sampled: tuple[RowSampling, int] | None = None) -> None:
+        absorb, propose, propose_sampled = self._programs()
         batch, dim = state.last_position.shape[0], self.config.hidden_size
         n_cap = len(self.capture_layers)
         for width in widths:
             absorb.compile(self.params, state, jax.ShapeDtypeStruct((batch, width, n_cap, dim), jnp.float32),
                            jax.ShapeDtypeStruct((batch, width), jnp.int32))
         vector = jax.ShapeDtypeStruct((batch,), jnp.int32)
-        propose.compile(self.params, self.target.params.embed, self.target.params.head, state, vector, vector)
+        args = (self.params, self.target.params.embed, self.target.params.head, state, vector, vector)
+        if sampled is None:
+            propose.compile(*args)
+        else:
+            propose_sampled.compile(*args, *sampled)
 
     def absorb(self, state: DrafterState, features: jax.Array, positions: jax.Array) -> DrafterState:
-        absorb, _ = _compiled(self.config, self.target.simulate_qat, self.target.options().policy)
-        return absorb(self.params, state, features, positions)
+        return self._programs()[0](self.params, state, features, positions)
 
     def propose(self, state: DrafterState, seeds: jax.Array, seed_pos: jax.Array) -> tuple[jax.Array, jax.Array]:
-        _, propose = _compiled(self.config, self.target.simulate_qat, self.target.options().policy)
-        return propose(self.params, self.target.params.embed, self.target.params.head, state, seeds, seed_pos)
+        return self._programs()[1](self.params, self.target.params.embed, self.target.params.head, state, seeds,
+                                   seed_pos)
+
+    def propose_sampled(self, state: DrafterState, seeds: jax.Array, seed_pos: jax.Array, rows: RowSampling,
+                        purpose: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+        return self._programs()[2](self.params, self.target.params.embed, self.target.params.head, state, seeds,
+                                   seed_pos, rows, purpose)
+
+    def _programs(self) -> tuple[AotFunction, AotFunction, AotFunction]:
+        return _compiled(self.config, self.target.simulate_qat, self.target.options().policy)
 
 
 def load_drafter(path: str, target: Target, *, progress: bool = False) -> Drafter:

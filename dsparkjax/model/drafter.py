@@ -15,11 +15,15 @@ Per `dspark.md` §1.3 and DeepSeek's own code (`dspark_reference.md`):
 
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 from flax import struct
 
 from dsparkjax.config import DrafterConfig
+from dsparkjax.decoding import sampling
+from dsparkjax.decoding.sampling import RowSampling
 from dsparkjax.errors import CapacityError
 from dsparkjax.kernels.policy import KernelPolicy, routed
 from dsparkjax.model import ring
@@ -97,7 +101,7 @@ class DrafterModel:
     @routed
     def propose(self, params: DrafterParams, embed: jax.Array, head: jax.Array, state: DrafterState,
                 seeds: jax.Array, seed_pos: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Draft `block_size` candidates after each seed.
+        """Draft `block_size` candidates after each seed, greedily.
 
         Args:
           embed, head: the target's token embedding and LM head `[V, D]` (tied with the drafter).
@@ -108,7 +112,28 @@ class DrafterModel:
            confidences float32 `[B, block_size]` = sigmoid of the confidence head (ones if it has none)).
         """
         hidden = self.block_hidden(params, embed, state, seeds, seed_pos)
-        return self._markov_chain(params, hidden, self.block_logits(params, hidden, head), seeds)
+        greedy = lambda i, row: (jnp.argmax(row, axis=-1).astype(jnp.int32), row)  # noqa: E731
+        candidates, confidences, _ = self._markov_chain(params, hidden, self.block_logits(params, hidden, head),
+                                                        seeds, greedy)
+        return candidates, confidences
+
+    @routed
+    def propose_sampled(self, params: DrafterParams, embed: jax.Array, head: jax.Array, state: DrafterState,
+                        seeds: jax.Array, seed_pos: jax.Array, rows: RowSampling, purpose: int
+                        ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Draft `block_size` candidates after each seed by sampling each row's warped logits (Markov bias
+        included) with the keyed noise of `purpose` at its position (decoding/sampling.py).
+
+        Returns (candidates int32 `[B, block_size]`, confidences float32 `[B, block_size]`, the warped logits
+        float32 `[B, block_size, V]` each candidate was drawn from: softmax of them is the lossless rule's q).
+        """
+        hidden = self.block_hidden(params, embed, state, seeds, seed_pos)
+
+        def pick(i: int, row: jax.Array) -> tuple[jax.Array, jax.Array]:
+            tokens, warped = sampling.draw(row[:, None], rows, seed_pos[:, None] + i + 1, purpose)
+            return tokens[:, 0], warped[:, 0]
+
+        return self._markov_chain(params, hidden, self.block_logits(params, hidden, head), seeds, pick)
 
     def block_logits(self, params: DrafterParams, hidden: jax.Array, head: jax.Array) -> jax.Array:
         """The base logits of the block rows before the Markov bias: the drafter's norm, then the target's
@@ -156,15 +181,18 @@ class DrafterModel:
         return hc_head(streams, params.hc_head.fn, params.hc_head.base, params.hc_head.scale,
                        hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
 
-    def _markov_chain(self, params: DrafterParams, hidden: jax.Array, logits: jax.Array, seeds: jax.Array
-                      ) -> tuple[jax.Array, jax.Array]:
-        """Greedy left-to-right choice with the Markov bias, and each choice's confidence."""
-        prev, candidates, confidences = seeds, [], []
+    def _markov_chain(self, params: DrafterParams, hidden: jax.Array, logits: jax.Array, seeds: jax.Array,
+                      pick: Callable[[int, jax.Array], tuple[jax.Array, jax.Array]]
+                      ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Left-to-right choice with the Markov bias: `pick(i, logits [B, V])` chooses row i's token and
+        returns (tokens int32 `[B]`, the logits it chose from). Returns (candidates, confidences, the stacked
+        chosen-from logits float32 `[B, block_size, V]`)."""
+        prev, candidates, confidences, chosen_from = seeds, [], [], []
         for i in range(self.cfg.block_size):
             bias, prev_embed = self.markov_bias(params, prev)
-            row = logits[:, i] + bias
             score = self.confidence_logit(params, hidden[:, i], prev_embed)
             confidences.append(jnp.ones(seeds.shape, jnp.float32) if score is None else jax.nn.sigmoid(score))
-            prev = jnp.argmax(row, axis=-1).astype(jnp.int32)
+            prev, row = pick(i, logits[:, i] + bias)
             candidates.append(prev)
-        return jnp.stack(candidates, axis=1), jnp.stack(confidences, axis=1)
+            chosen_from.append(row)
+        return jnp.stack(candidates, axis=1), jnp.stack(confidences, axis=1), jnp.stack(chosen_from, axis=1)

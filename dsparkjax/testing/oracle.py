@@ -1,4 +1,4 @@
-"""An oracle proposer: proposes the target's own greedy continuation, known from a plain run.
+"""An oracle proposer: proposes the target's own continuation, known from a plain (greedy or sampled) run.
 
 It is a measuring instrument, not a drafter: the tests use it to force acceptances and rejections where
 they want them (a "drafter constructed to agree"), and the benchmark uses it to run the speculative loop
@@ -20,7 +20,7 @@ from dsparkjax.decoding.generate import Result
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class OracleProposer:
-    """Proposes the target's own greedy continuation, known from a plain run, but wrong where `wrong` is set.
+    """Proposes the target's own continuation, known from a plain run, but wrong where `wrong` is set.
 
     `truth[b, p]` is the token at position p of sequence b (prompt, then the plain run's output). A wrong
     position proposes another token (and a low confidence), so a run sees both acceptances and rejections.
@@ -40,8 +40,8 @@ class OracleProposer:
         assert batch == self.truth.shape[0]
         return jnp.asarray(self.truth, jnp.int32), jnp.asarray(self.wrong)
 
-    def precompile(self, state: Any, widths: tuple[int, ...]) -> None:
-        del state, widths  # nothing to compile ahead: propose is a few jnp ops
+    def precompile(self, state: Any, widths: tuple[int, ...], sampled: Any = None) -> None:
+        del state, widths, sampled  # nothing to compile ahead: propose is a few jnp ops
 
     def absorb(self, state: Any, features: jax.Array, positions: jax.Array) -> Any:
         del features, positions
@@ -50,6 +50,14 @@ class OracleProposer:
     def propose(self, state: Any, seeds: jax.Array, seed_pos: jax.Array) -> tuple[jax.Array, jax.Array]:
         truth, wrong = state
         return _propose(truth, wrong, seed_pos, self.block_size, self.vocab, self.bad_id)
+
+    def propose_sampled(self, state: Any, seeds: jax.Array, seed_pos: jax.Array, rows: Any, purpose: int
+                        ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The same candidates, each drawn from a point mass on itself: logits 0 there, −inf elsewhere (a valid
+        q for the lossless rule, which then accepts a candidate with the target's probability of it)."""
+        del rows, purpose
+        candidates, confidences = self.propose(state, seeds, seed_pos)
+        return candidates, confidences, _point_mass(candidates, self.vocab)
 
 
 @functools.partial(jax.jit, static_argnums=(3, 4, 5))
@@ -61,6 +69,11 @@ def _propose(truth: jax.Array, wrong: jax.Array, seed_pos: jax.Array, block: int
     if bad_id is not None:
         candidates = jnp.full_like(candidates, bad_id)
     return candidates, jnp.where(wrong[rows, idx], 0.3, 0.95).astype(jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def _point_mass(candidates: jax.Array, vocab: int) -> jax.Array:
+    return jnp.where(jnp.arange(vocab) == candidates[..., None], 0.0, -jnp.inf).astype(jnp.float32)
 
 
 def oracle_for(prompts: list[list[int]], reference: list[Result], vocab: int, wrong_rate: float, seed: int,
