@@ -4,7 +4,7 @@ Each check raises CliInputError, whose message names the flag and the file or va
 print it and exit non-zero without a traceback. A prompts file that is missing, not UTF-8, malformed or
 empty is refused: it never falls back to the demo prompts. `--prompt_ids` must be comma-separated
 non-negative integers. The directory of `--output` must exist and be writable before generation starts,
-so a long run is not lost at the end.
+so a long run is not lost at the end. The sampling flags must make a valid `SamplingParams` and seed.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import os
 from pathlib import Path
 
 from dsparkjax import chat
-from dsparkjax.errors import DsparkError
+from dsparkjax.decoding.sampling import SamplingParams, check_seed
+from dsparkjax.errors import ArgumentError, DsparkError
 
 
 class CliInputError(DsparkError):
@@ -70,3 +71,12 @@ def check_output_path(path: str, flag: str = "--output") -> None:
         raise CliInputError(f"{flag} {path}: is a directory, not a file")
     if not os.access(directory, os.W_OK | os.X_OK) or (file.exists() and not os.access(file, os.W_OK)):
         raise CliInputError(f"{flag} {path}: not writable")
+
+
+def sampling_flags(temperature: float, top_k: int, top_p: float, min_p: float, seed: int
+                   ) -> tuple[SamplingParams, int]:
+    """`--temperature --top_k --top_p --min_p --seed` as (SamplingParams, seed); CliInputError naming the flag."""
+    try:
+        return SamplingParams(temperature, top_k, top_p, min_p), check_seed(seed)
+    except ArgumentError as err:  # its message starts with the parameter's name, which is the flag's
+        raise CliInputError(f"--{err}") from None

@@ -1,8 +1,9 @@
-"""Batched greedy generation from the command line: plain (AR) or DSpark speculative, exact or fast.
+"""Batched generation from the command line: plain (AR) or DSpark speculative, greedy or sampled.
 
     python scripts/generate.py                         # speculative, on the embedded tiny pair
     python scripts/generate.py --target T.gguf --draft D.gguf --prompt "Hello" --prompt "Bonjour"
     python scripts/generate.py --mode ar --verify fast --prompts_file prompts.jsonl --output out.jsonl
+    python scripts/generate.py --temperature 0.7 --top_p 0.95 --seed 1 --verify lossless
 
 Prompts are text (tokenized with the target's own tokenizer; `--chat` applies the DeepSeek-V4 template) or
 token ids (`--prompt_ids 1,2,3`). Prints each sequence's text, tok/s, steps and matched/offered, the mean
@@ -40,11 +41,17 @@ _CHAT = flags.DEFINE_bool("chat", False, "Apply the DeepSeek-V4 chat template to
 _THINKING = flags.DEFINE_bool("thinking", False, "With --chat: open a thinking block in the generation prompt.")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 32, "Tokens to generate per prompt.")
 _MODE = flags.DEFINE_enum("mode", "spec", ["spec", "ar"], "Speculative (with the drafter) or plain decoding.")
-_VERIFY = flags.DEFINE_enum("verify", "exact", ["exact", "fast"], "exact: token-identical to AR; fast: per-q programs.")
+_VERIFY = flags.DEFINE_enum("verify", "exact", ["exact", "fast", "lossless"],
+                            "exact: token-identical to AR (greedy or sampled with the same seed); fast: per-q "
+                            "programs; lossless: when sampling, the target's distribution with more accepted.")
 _Q = flags.DEFINE_string("q", "adaptive", "Verify width: 'adaptive' or a fixed 1..block_size+1.")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
 _QAT = flags.DEFINE_bool("simulate_qat", True, "FP8 KV / FP4 indexer rounding of the official model.")
-_TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "> 0 samples (plain decoding only).")
+_TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 is greedy.")
+_TOP_K = flags.DEFINE_integer("top_k", 0, "Sample from the k most likely tokens (0: all).")
+_TOP_P = flags.DEFINE_float("top_p", 1.0, "Sample from the most likely tokens holding this mass (1: all).")
+_MIN_P = flags.DEFINE_float("min_p", 0.0, "Drop tokens below min_p times the most likely one's probability.")
+_SEED = flags.DEFINE_integer("seed", 0, "Sampling seed: prompt i samples with seed + i.")
 _OUTPUT = flags.DEFINE_string("output", None, "Write one JSON object per sequence to this file.")
 
 
@@ -80,6 +87,8 @@ def main(argv: list[str]) -> None:
     texts, id_prompts = _prompt_inputs()
     if _OUTPUT.value is not None:
         cli_inputs.check_output_path(_OUTPUT.value)
+    params, seed = cli_inputs.sampling_flags(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value, _MIN_P.value,
+                                             _SEED.value)
     runtime.configure()  # before JAX starts: device memory for a full-size model, the compilation cache
     target_path, draft_path = _TARGET.value, _DRAFT.value
     if target_path is None:
@@ -103,7 +112,8 @@ def main(argv: list[str]) -> None:
     start = time.perf_counter()
     results = generate(target, [ids for _, ids in prompts], drafter=drafter, max_new_tokens=_MAX_NEW.value,
                        verify=_VERIFY.value, width=_Q.value, on_token=on_token, mode=_MODE.value,
-                       temperature=_TEMPERATURE.value, progress=True)
+                       temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                       min_p=params.min_p, seed=seed, progress=True)
     elapsed = time.perf_counter() - start
     for i, dec in enumerate(decoders):
         if dec is not None:

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from dsparkjax.cli_inputs import CliInputError, check_output_path, parse_prompt_ids, read_prompts_file
+from dsparkjax.cli_inputs import CliInputError, check_output_path, parse_prompt_ids, read_prompts_file, sampling_flags
+from dsparkjax.decoding.sampling import SamplingParams
 
 GENERATE = Path(__file__).resolve().parent.parent / "scripts" / "generate.py"
 
@@ -82,12 +83,24 @@ def test_output_path_checks(tmp_path):
         check_output_path("")
 
 
+def test_sampling_flags():
+    assert sampling_flags(0.7, 40, 0.9, 0.05, 3) == (SamplingParams(0.7, 40, 0.9, 0.05), 3)
+    for args, match in [((-1.0, 0, 1.0, 0.0, 0), "--temperature must be a finite number >= 0"),
+                        ((1.0, -2, 1.0, 0.0, 0), "--top_k must be an integer >= 0"),
+                        ((1.0, 0, 1.5, 0.0, 0), r"--top_p must be in \(0, 1\]"),
+                        ((1.0, 0, 1.0, 2.0, 0), r"--min_p must be in \[0, 1\]"),
+                        ((1.0, 0, 1.0, 0.0, -1), r"--seed must be an integer in \[0, 2\*\*32\)")]:
+        with pytest.raises(CliInputError, match=match):
+            sampling_flags(*args)
+
+
 @pytest.mark.parametrize("flags, expected", [
     (["--prompts_file={tmp}/missing.txt"], "error: --prompts_file {tmp}/missing.txt: no such file"),
     (["--prompts_file={tmp}/empty.txt"], "error: --prompts_file {tmp}/empty.txt: holds no prompts"),
     (["--prompt_ids=1,x"], "error: --prompt_ids '1,x': item 2 ('x') is not a non-negative integer token id"),
     (["--prompt_ids=1", "--output={tmp}/no/such/dir/out.jsonl"],
      "error: --output {tmp}/no/such/dir/out.jsonl: directory {tmp}/no/such/dir does not exist"),
+    (["--prompt_ids=1", "--temperature=0.7", "--top_p=0"], "error: --top_p must be in (0, 1] (1: off), got 0.0"),
 ])
 def test_generate_script_refuses_bad_inputs_before_loading(tmp_path, flags, expected):
     """Exit status 1, one clear line, no traceback, and nothing loaded or generated (so it is quick)."""
