@@ -60,6 +60,8 @@ _PROMPTS = flags.DEFINE_integer("prompts", 64, "Number of random prompts (one ba
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 32, "Tokens per prompt.")
 _ACCEPT = flags.DEFINE_float("acceptance", 0.7, "Oracle proposer: fraction of correct candidates.")
 _WIDTH = flags.DEFINE_string("q", "4", "Verify width for the oracle runs ('adaptive' or 1..6).")
+_TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "> 0: every run samples (prompt i with seed i); the oracle "
+                                  "proposes plain sampling's tokens, and a lossless run is added.")
 _REPS = flags.DEFINE_integer("reps", 3, "Timed runs of each configuration (bench_step.py: of each width); the "
                              "best is reported, with the spread (single runs on one GPU vary by up to 1.6x).")
 _OUTPUT = flags.DEFINE_string("output", None, "Write the results as JSON here.")
@@ -156,7 +158,7 @@ def main(argv: list[str]) -> None:
     logging.set_verbosity(logging.WARNING)
     target, drafter, prompts = bench_model()
     cfg = target.config
-    kw = dict(stop_tokens=())
+    kw = dict(stop_tokens=(), temperature=_TEMPERATURE.value, seed=0)
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, {_CONFIG.value} model, {_DTYPE.value}, "
           f"recipe {_RECIPE.value} ({target.kernels} matrices), {len(prompts)} prompts x {_MAX_NEW.value} tokens")
     ar_exact = timed("plain, exact program", lambda n: generate(target, prompts, drafter=drafter,
@@ -176,15 +178,21 @@ def main(argv: list[str]) -> None:
                                                                           max_new_tokens=n, **kw))
     dspark = timed("spec DSpark (random), exact", lambda n: generate(target, prompts, drafter=drafter,
                                                                                max_new_tokens=n, **kw))
+    lossless = None
+    if _TEMPERATURE.value > 0:
+        lossless = timed("spec oracle, lossless", lambda n: generate(target, prompts, drafter=oracle, width=width,
+                                                                      verify="lossless", max_new_tokens=n, **kw))
     bw = copy_bandwidth(256, 10)
     tokens = sum(len(r.token_ids) for r in ar_fast.results)
     steps_ar = max(r.steps for r in ar_fast.results)
     roofline_step = step_weight_bytes(target) / bw
     timings = dict(plain_exact=ar_exact, plain_fast=ar_fast, spec_exact=spec_exact, spec_fast=spec_fast,
                    dspark_exact=dspark)
+    if lossless is not None:
+        timings["spec_lossless"] = lossless
     summary = dict(
         device=jax.devices()[0].device_kind, jax=jax.__version__, config=_CONFIG.value, dtype=_DTYPE.value,
-        recipe=_RECIPE.value, kernels=target.kernels, reps=_REPS.value,
+        recipe=_RECIPE.value, kernels=target.kernels, reps=_REPS.value, temperature=_TEMPERATURE.value,
         prompts=len(prompts), max_new_tokens=_MAX_NEW.value, acceptance_target=_ACCEPT.value, q=_WIDTH.value,
         copy_bandwidth_gbs=bw / 1e9, step_weight_mb=step_weight_bytes(target) / 1e6,
         exact_spec_equals_plain=same_tokens(spec_exact.results, ar_exact.results),

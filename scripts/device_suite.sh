@@ -16,7 +16,8 @@
 # KernelPolicy.gemm_min_rows), `policy` (the tensor-core mode's FFI attribute, off/auto/force, on the GPU), `q4k` (the Q4_K GPU tests alone, then Q4_K against Q2_K and IQ2_XXS at DS4's expert
 # shapes, T = 1, 2, 4, 8; its time is not measured yet, the kernels section's size) and `indexer` (the
 # length-bound CSA indexer top-k: its GPU tests, then DS4's step at a 1k context in 1k- and 64k-capacity states;
-# about five minutes, not measured yet).
+# about five minutes, not measured yet) and `sampling` (the generation benchmark with every run sampling at
+# T = 0.7: plain vs exact and lossless speculative sampling, tok/s; run it beside `generate` for the greedy numbers).
 set -uo pipefail
 SECTIONS="${*:-tests kernels generate}"
 want() { [[ " $SECTIONS " == *" $1 "* ]]; }
@@ -51,6 +52,13 @@ echo "== generation benchmark (bf16)"
 XLA_FLAGS= python3 scripts/bench_generate.py --config wide --dtype bfloat16 --prompts 64 --max_new_tokens 32 \
   --q 4 --acceptance 0.7 --output "$OUT/generate_bf16.json" > "$OUT/generate_bf16.log" 2>&1
 grep -v '^ ' "$OUT/generate_bf16.log" | tail -8
+fi
+if want sampling; then  # about as long as `generate`: the same benchmark, every run sampling at T = 0.7
+echo "== generation benchmark, sampled (bf16, T = 0.7): plain vs exact / lossless speculative sampling"
+XLA_FLAGS= python3 scripts/bench_generate.py --config wide --dtype bfloat16 --prompts 64 --max_new_tokens 32 \
+  --q 4 --acceptance 0.7 --temperature 0.7 --output "$OUT/generate_sampled_bf16.json" \
+  > "$OUT/generate_sampled_bf16.log" 2>&1
+grep -v '^ ' "$OUT/generate_sampled_bf16.log" | tail -9
 fi
 if want step; then  # about two minutes
 echo "== compiled step alone (wide model, published recipe), widths 1 and 6, traced"

@@ -1,0 +1,157 @@
+"""What speculation buys when sampling: plain vs speculative sampled decoding of held-out prompts, in exact
+and lossless verification, and the drafter's confidence against real acceptance at each temperature.
+
+    python scripts/acceptance_sampling.py                        # the embedded pair, JSON to stdout
+    python scripts/acceptance_sampling.py --json_out docs/acceptance_sampling.json
+
+For each temperature (`--temperatures`), plain sampling of `--prompts` held-out prompts (the standard
+library's held-out `.py` files, `dsparkjax/training/corpus.py`) is the baseline: target steps for
+`--max_new_tokens` tokens per prompt (no stop token). Each verify mode and width (`--widths`) then reports
+candidates matched/offered, target steps, the factor plain steps / speculative steps, and for exact mode
+whether the output equals plain sampling's (it must). Runs at the widest fixed width verify every candidate,
+so they also give, per block slot i and confidence bin, how often candidate i was accepted given that
+candidates 1..i-1 were (the calibration the width policy thresholds; `scripts/calibrate.py` does it greedily).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jax
+import numpy as np
+from absl import app, flags, logging
+
+from dsparkjax.decoding.decoder import Decoder
+from dsparkjax.decoding.engine import Engine
+from dsparkjax.decoding.generate import generate
+from dsparkjax.decoding.proposer import Proposer, load_drafter
+from dsparkjax.decoding.sampling import RowSampling, SamplingParams
+from dsparkjax.embedded import embedded_pair
+from dsparkjax.target_api import load_target
+from dsparkjax.training.corpus import held_out_prompts
+
+_TARGET = flags.DEFINE_string("target", None, "Target GGUF (default: the embedded target).")
+_DRAFT = flags.DEFINE_string("draft", None, "Drafter GGUF (default: the embedded drafter).")
+_PROMPTS = flags.DEFINE_integer("prompts", 16, "Held-out prompts.")
+_PROMPT_LEN = flags.DEFINE_integer("prompt_len", 32, "Tokens per prompt.")
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "Tokens generated per prompt.")
+_SEED = flags.DEFINE_integer("seed", 7, "Seed of the prompt positions; prompt i samples with seed + i.")
+_TEMPERATURES = flags.DEFINE_list("temperatures", ["0.7", "1.0"], "Sampling temperatures.")
+_MODES = flags.DEFINE_list("modes", ["exact", "lossless"], "Verify modes.")
+_WIDTHS = flags.DEFINE_list("widths", ["adaptive", "6"], "Verify widths: 'adaptive' or q in 2..6.")
+_BINS = flags.DEFINE_integer("bins", 5, "Confidence bins of the calibration.")
+_JSON = flags.DEFINE_string("json_out", None, "Also write the results here.")
+
+
+class Recorder:
+    """A Proposer that passes every call to `inner` and keeps each sampled proposal's confidences, in order."""
+
+    def __init__(self, inner: Proposer):
+        self.inner, self.confidences = inner, []
+        self.block_size, self.capture_layers = inner.block_size, inner.capture_layers
+        self.has_confidence = inner.has_confidence
+
+    def __getattr__(self, name: str) -> Any:  # init_state, precompile, absorb, propose
+        return getattr(self.inner, name)
+
+    def propose_sampled(self, state: Any, seeds: jax.Array, seed_pos: jax.Array, rows: RowSampling, purpose: int
+                        ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        out = self.inner.propose_sampled(state, seeds, seed_pos, rows, purpose)
+        self.confidences.append(out[1])
+        return out
+
+
+def run_recorded(target, drafter, prompts: list[list[int]], params: SamplingParams, verify: str, width: int
+                 ) -> tuple[list[list[int]], list[tuple[np.ndarray, int]]]:
+    """Speculative sampling driven step by step: (tokens per prompt, [(confidences [K], matched)] per
+    sequence-step). Exact and lossless modes queue step k + 1 before reading step k back, so the outcome read
+    at the k-th `step()` call is the (k − 1)-th proposal's."""
+    recorder = Recorder(drafter)
+    decoder = Decoder.for_prompts(target, recorder, speculative=True, lengths=[len(p) for p in prompts],
+                                  max_new_tokens=_MAX_NEW.value, verify=verify, width=width, prefill_chunk=16,
+                                  sample=True)
+    engine = Engine(decoder)
+    rows = {engine.admit(p, params, _SEED.value + i): i for i, p in enumerate(prompts)}
+    tokens = [[] for _ in prompts]
+    steps: list[tuple[np.ndarray, int]] = []
+    emitted, calls = engine.prefill(), 0
+    while True:
+        for row, out in emitted.items():
+            tokens[rows[row]].extend(out.tokens)
+            if out.steps and calls >= 2:
+                steps.append((np.asarray(recorder.confidences[calls - 2])[row], out.matched))
+        if all(len(t) >= _MAX_NEW.value for t in tokens):
+            return [t[: _MAX_NEW.value] for t in tokens], steps
+        emitted, calls = engine.step(), calls + 1
+
+
+def calibration(steps: list[tuple[np.ndarray, int]], bins: int) -> list[dict]:
+    """Per block slot i: how often candidate i was accepted given 1..i-1 were, overall and per confidence bin."""
+    conf = np.stack([c for c, _ in steps])
+    matched = np.array([m for _, m in steps])
+    edges = np.linspace(0.0, 1.0, bins + 1)
+    slots = []
+    for i in range(conf.shape[1]):
+        reached, accepted = matched >= i, matched > i
+        per_bin = []
+        for lo, hi in zip(edges[:-1], edges[1:]):
+            inside = reached & (conf[:, i] >= lo) & ((conf[:, i] < hi) | (hi == 1.0))
+            if inside.any():
+                per_bin.append(dict(lo=round(float(lo), 2), hi=round(float(hi), 2), count=int(inside.sum()),
+                                    confidence=round(float(conf[inside, i].mean()), 3),
+                                    accepted=round(float(accepted[inside].mean()), 3)))
+        slots.append(dict(slot=i + 1, reached=int(reached.sum()),
+                          acceptance=round(float(accepted[reached].mean()), 3) if reached.any() else None,
+                          bins=per_bin))
+    return slots
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    logging.set_verbosity(logging.WARNING)
+    target_path, draft_path = _TARGET.value, _DRAFT.value
+    if target_path is None:
+        target_path, embedded_draft = embedded_pair()
+        draft_path = draft_path or embedded_draft
+    target = load_target(target_path)
+    drafter = load_drafter(draft_path, target)
+    prompts = held_out_prompts(target.tokenizer, _PROMPTS.value, _PROMPT_LEN.value, _SEED.value)
+    report: dict[str, Any] = dict(target=target_path, draft=draft_path, prompts=len(prompts),
+                                  prompt_len=_PROMPT_LEN.value, max_new_tokens=_MAX_NEW.value, seed=_SEED.value,
+                                  temperatures={})
+    widest = str(drafter.block_size + 1)
+    for temperature in map(float, _TEMPERATURES.value):
+        params = SamplingParams(temperature)
+        seeds = [_SEED.value + i for i in range(len(prompts))]
+        plain = generate(target, prompts, drafter=drafter, mode="ar", max_new_tokens=_MAX_NEW.value,
+                         stop_tokens=(), temperature=temperature, seed=seeds)
+        plain_steps = sum(r.steps for r in plain)
+        entry: dict[str, Any] = dict(plain_steps=plain_steps, modes={})
+        for verify in _MODES.value:
+            entry["modes"][verify] = {}
+            for width in _WIDTHS.value:
+                spec = generate(target, prompts, drafter=drafter, mode="spec", verify=verify, width=width,
+                                max_new_tokens=_MAX_NEW.value, stop_tokens=(), temperature=temperature, seed=seeds)
+                matched, offered, steps = (sum(getattr(r, k) for r in spec) for k in ("matched", "offered", "steps"))
+                row = dict(matched=matched, offered=offered, matched_per_offered=round(matched / max(offered, 1), 4),
+                           steps=steps, step_reduction=round(plain_steps / max(steps, 1), 3),
+                           tokens_per_step=round(sum(len(r.token_ids) for r in spec) / max(steps, 1), 3))
+                if verify == "exact":
+                    row["identical_to_plain"] = all(s.token_ids == p.token_ids for s, p in zip(spec, plain))
+                if width == widest:
+                    tokens, records = run_recorded(target, drafter, prompts, params, verify, int(width))
+                    if verify == "exact":
+                        assert tokens == [s.token_ids for s in spec]
+                    row["calibration"] = calibration(records, _BINS.value)
+                entry["modes"][verify][width] = row
+        report["temperatures"][str(temperature)] = entry
+    text = json.dumps(report, indent=2)
+    print(text)
+    if _JSON.value:
+        with open(_JSON.value, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    app.run(main)
