@@ -76,14 +76,16 @@ def run_recorded(target, drafter, prompts: list[list[int]], params: SamplingPara
     tokens = [[] for _ in prompts]
     steps: list[tuple[np.ndarray, int]] = []
     emitted, calls = engine.prefill(), 0
-    while True:
+    while rows:
         for row, out in emitted.items():
             tokens[rows[row]].extend(out.tokens)
-            if out.steps and calls >= 2:
+            if out.steps:
                 steps.append((np.asarray(recorder.confidences[calls - 2])[row], out.matched))
-        if all(len(t) >= _MAX_NEW.value for t in tokens):
-            return [t[: _MAX_NEW.value] for t in tokens], steps
-        emitted, calls = engine.step(), calls + 1
+            if len(tokens[rows[row]]) >= _MAX_NEW.value:
+                engine.release(row)
+                del rows[row]
+        emitted, calls = (engine.step(), calls + 1) if rows else ({}, calls)
+    return [t[: _MAX_NEW.value] for t in tokens], steps
 
 
 def calibration(steps: list[tuple[np.ndarray, int]], bins: int) -> list[dict]:
