@@ -12,7 +12,6 @@ import functools
 import http.client
 import json
 import socket
-import statistics
 import threading
 import time
 
@@ -36,20 +35,12 @@ from dsparkjax.serve.protocol import GenerationRequest, SamplingFields  # noqa: 
 from dsparkjax.serve.scheduler import Job, QueueFull, Scheduler, serving_engine  # noqa: E402
 from dsparkjax.serve.text import TextStream  # noqa: E402
 from dsparkjax.target_api import load_target  # noqa: E402
+from dsparkjax.testing import serve_load  # noqa: E402
 
 ROWS, CONTEXT = 8, 256
 LONGEST = 64  # offline references generate this many tokens once per prompt and are cut to each request's
 
-PROMPTS = (  # the embedded pair writes Python
-    "import os\nimport sys\n\n\ndef main(",
-    "class Parser:\n    def __init__(self, text):\n",
-    "    for i in range(len(items)):\n",
-    "def f(x):\n    return",
-    "# Copyright\n\"\"\"Utilities for reading files.\"\"\"\n\nimport re\n",
-    "        if not",
-    "    def __repr__(self):\n        return",
-    "try:\n    import json\nexcept ImportError:\n",
-)
+PROMPTS = serve_load.PROMPTS
 
 _compiles: dict[str, int] = {}  # thread name -> XLA compilations, counted from the module's start
 
@@ -201,6 +192,17 @@ def test_text_stream_holds_back_what_may_start_a_stop_string(served):
     assert "".join(plain.push(t) for t in ids) + plain.flush() == tok.decode(ids)
 
 
+def test_a_prompt_at_the_edge_of_the_context(served):
+    """A prompt and max_tokens that fill the context up to the room a decode step needs run to their end."""
+    room = 24
+    ids = served.text_ids("".join(PROMPTS) * 8)[: served.scheduler.context - 2 * 16 - room]
+    assert served.scheduler.room(len(ids)) == room
+    answer = served.client().completions.create(model=EMBEDDED_MODEL, prompt=list(ids), max_tokens=room)
+    text, finish, count = served.expected(ids, room)
+    assert (answer.choices[0].text, answer.choices[0].finish_reason, answer.usage.completion_tokens) == (
+        text, finish, count)
+
+
 def test_models_health_and_metrics(served):
     assert [m.id for m in served.client().models.list()] == [EMBEDDED_MODEL]
     status, health = served.raw("GET", "/health")
@@ -320,78 +322,48 @@ def _wait_idle(served) -> None:
 # -- load -------------------------------------------------------------------------------------------------------
 
 
-def test_32_streaming_clients_some_cancelling(served):
-    """32 concurrent streams of mixed lengths over 8 rows, every fourth cancelling after its first text. Each
-    surviving stream equals its prompt's `generate` alone; a cancelled one got a prefix of it and freed its
-    row; nothing compiled while serving. Prints aggregate tok/s and p50/p99 time to first token."""
-    lengths = (8, 16, 24, 32, 40, 48, 56, 64)
-    clients = []
-    for i in range(32):
-        prompt = PROMPTS[i % len(PROMPTS)]
-        as_chat = i % 2 == 0
-        ids = served.chat_ids(prompt) if as_chat else served.text_ids(prompt)
-        cancel = i % 4 == 3
-        max_tokens = LONGEST if cancel else lengths[(i * 3) % len(lengths)]
-        clients.append(dict(prompt=prompt, chat=as_chat, ids=ids, max_tokens=max_tokens, cancel=cancel))
-    for c in clients:
-        c["want"] = served.expected(c["ids"], c["max_tokens"])
-    cancelling = [c for c in clients if c["cancel"]]
-    assert all(c["want"][1] == "length" for c in cancelling)  # long answers: still running when they leave
-    cancelled_before = served.metric('dsparkjax_requests_total{endpoint="/v1/chat/completions",outcome="cancelled"}'
-                                     ) + served.metric('dsparkjax_requests_total{endpoint="/v1/completions",'
-                                                       'outcome="cancelled"}')
+def test_32_streaming_clients_some_leaving(served):
+    """32 concurrent streams of mixed lengths over 8 rows, every fourth leaving after its first text. Each
+    finished stream equals its prompt's `generate` alone; one that left got a prefix of it and its row was
+    released; nothing compiled while serving. Prints aggregate tok/s and p50/p99 time to first token."""
+    specs = serve_load.mixed_clients(32, LONGEST)
+    ids = [served.chat_ids(c.prompt) if c.chat else served.text_ids(c.prompt) for c in specs]
+    wanted = [served.expected(i, c.max_tokens) for i, c in zip(ids, specs)]
+    leaving = [w for c, w in zip(specs, wanted) if c.leave_early]
+    assert all(finish == "length" for _, finish, _ in leaving)  # long answers: still running when they leave
+    before = _cancelled(served)
 
-    async def run_client(client: openai.AsyncOpenAI, c: dict) -> None:
-        start = time.perf_counter()
-        kwargs = dict(model=EMBEDDED_MODEL, max_tokens=c["max_tokens"], stream=True,
-                      stream_options={"include_usage": True})
-        if c["chat"]:
-            stream = await client.chat.completions.create(messages=[{"role": "user", "content": c["prompt"]}],
-                                                          **kwargs)
+    report = serve_load.run_load(served.base_url, EMBEDDED_MODEL, specs)
+    for i, (c, got, (text, finish, count)) in enumerate(zip(specs, report.results, wanted)):
+        if c.leave_early:
+            assert got.text and text.startswith(got.text), i
         else:
-            stream = await client.completions.create(prompt=c["prompt"], **kwargs)
-        text, c["finish"], c["usage"] = "", None, None
-        async for chunk in stream:
-            if chunk.usage is not None:
-                c["usage"] = chunk.usage.completion_tokens
-            if not chunk.choices:
-                continue
-            choice = chunk.choices[0]
-            piece = (choice.delta.content or "") if c["chat"] else choice.text
-            if (piece or choice.finish_reason) and "ttft" not in c:
-                c["ttft"] = time.perf_counter() - start
-            text += piece
-            c["finish"] = choice.finish_reason or c["finish"]
-            if c["cancel"] and text:
-                await stream.close()
-                break
-        c["text"] = text
-
-    async def run_all() -> float:
-        client = openai.AsyncOpenAI(base_url=served.base_url, api_key="unused", max_retries=0, timeout=120)
-        start = time.perf_counter()
-        await asyncio.gather(*(run_client(client, c) for c in clients))
-        elapsed = time.perf_counter() - start
-        await client.close()
-        return elapsed
-
-    elapsed = asyncio.run(run_all())
-    for i, c in enumerate(clients):
-        want_text, want_finish, want_count = c["want"]
-        if c["cancel"]:
-            assert c["text"] and want_text.startswith(c["text"]), i
-        else:
-            assert (c["text"], c["finish"], c["usage"]) == (want_text, want_finish, want_count), i
+            assert (got.text, got.finish_reason, got.completion_tokens) == (text, finish, count), i
     _wait_idle(served)
-    cancelled = served.metric('dsparkjax_requests_total{endpoint="/v1/chat/completions",outcome="cancelled"}') + \
-        served.metric('dsparkjax_requests_total{endpoint="/v1/completions",outcome="cancelled"}')
-    assert cancelled - cancelled_before == len(cancelling)
+    assert _cancelled(served) - before == len(leaving)
     assert _compiles.get("dsparkjax-engine", 0) == 0 and _compiles.get("MainThread", 0) > 0
     assert served.client().completions.create(model=EMBEDDED_MODEL, prompt="x", max_tokens=4).choices[0].text
+    summary = report.summary()
+    print(f"\nserve load: 32 streaming clients over {ROWS} rows ({len(leaving)} leaving early): "
+          f"{summary['completion_tokens']} tokens in {summary['elapsed_s']:.2f} s = {summary['tok_per_s']:.1f} tok/s "
+          f"aggregate; TTFT p50 {summary['ttft_p50_ms']:.0f} ms, p99 {summary['ttft_p99_ms']:.0f} ms")
 
-    tokens = sum(c["usage"] for c in clients if not c["cancel"])
-    ttft = sorted(c["ttft"] for c in clients)
-    p99 = ttft[min(len(ttft) - 1, round(0.99 * (len(ttft) - 1)))]
-    print(f"\nserve load: 32 streaming clients over {ROWS} rows ({len(cancelling)} cancelling): {tokens} tokens "
-          f"in {elapsed:.2f} s = {tokens / elapsed:.1f} tok/s aggregate; TTFT p50 {statistics.median(ttft) * 1e3:.0f} ms,"
-          f" p99 {p99 * 1e3:.0f} ms")
+
+def _cancelled(served) -> float:
+    return sum(served.metric(f'dsparkjax_requests_total{{endpoint="{e}",outcome="cancelled"}}')
+               for e in ("/v1/chat/completions", "/v1/completions"))
+
+
+def test_an_engine_failure_fails_its_requests_and_the_server_goes_on(served, monkeypatch):
+    """Runs last: the scheduler replaces a failed engine by a fresh one on the same compiled programs."""
+    broken = served.scheduler._engine
+
+    def fail() -> None:
+        raise RuntimeError("injected engine failure")
+
+    monkeypatch.setattr(broken, "step", fail)
+    got, answer = served.raw("POST", "/v1/completions", _body(max_tokens=8))
+    assert got == 500 and answer["error"]["type"] == "server_error"
+    assert served.scheduler._engine is not broken
+    answer = served.client().completions.create(model=EMBEDDED_MODEL, prompt=PROMPTS[6], max_tokens=16)
+    assert answer.choices[0].text == served.expected(served.text_ids(PROMPTS[6]), 16)[0]

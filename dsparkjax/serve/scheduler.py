@@ -181,11 +181,11 @@ class Scheduler:
             except Exception:  # noqa: BLE001 -- whatever broke, the rows fail and the server goes on
                 log.exception("engine step failed; failing its %d requests and starting a fresh engine",
                               len(self._rows))
+                self._engine = Engine(self._engine.decoder)  # the compiled programs are reused
                 for job in self._rows.values():
                     job.fail("the engine failed while generating this request; see the server log")
                 self._rows.clear()
                 self.metrics.running.set(0)
-                self._engine = Engine(self._engine.decoder)  # the compiled programs are reused
 
     def _tick(self, arrivals: list[Job]) -> None:
         """Release cancelled rows, admit `arrivals`, step the engine and hand out what it emitted."""
