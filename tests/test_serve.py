@@ -28,7 +28,7 @@ from dsparkjax import chat  # noqa: E402
 from dsparkjax.decoding.generate import generate  # noqa: E402
 from dsparkjax.decoding.proposer import load_drafter  # noqa: E402
 from dsparkjax.embedded import embedded_pair  # noqa: E402
-from dsparkjax.serve.__main__ import EMBEDDED_MODEL  # noqa: E402
+from dsparkjax.serve import EMBEDDED_MODEL  # noqa: E402
 from dsparkjax.serve.app import build_app  # noqa: E402
 from dsparkjax.serve.metrics import Metrics  # noqa: E402
 from dsparkjax.serve.protocol import GenerationRequest, SamplingFields  # noqa: E402

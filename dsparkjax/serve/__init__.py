@@ -12,3 +12,5 @@ Modules, in the order a request meets them:
 
 Design and measured numbers: docs/serving.md.
 """
+
+EMBEDDED_MODEL = "dsparkjax-tiny"  # the model id the embedded pair is served as

@@ -18,9 +18,8 @@ from dsparkjax import runtime
 from dsparkjax.decoding.proposer import load_drafter
 from dsparkjax.embedded import embedded_pair
 from dsparkjax.errors import DsparkError
+from dsparkjax.serve import EMBEDDED_MODEL
 from dsparkjax.target_api import load_target
-
-EMBEDDED_MODEL = "dsparkjax-tiny"
 
 _TARGET = flags.DEFINE_string("target", None, "Target GGUF (default: the embedded tiny target).")
 _DRAFT = flags.DEFINE_string("draft", None, "DSpark drafter GGUF (default with the embedded target: its drafter).")
