@@ -16,7 +16,9 @@
 # KernelPolicy.gemm_min_rows), `policy` (the tensor-core mode's FFI attribute, off/auto/force, on the GPU), `q4k` (the Q4_K GPU tests alone, then Q4_K against Q2_K and IQ2_XXS at DS4's expert
 # shapes, T = 1, 2, 4, 8; its time is not measured yet, the kernels section's size) and `indexer` (the
 # length-bound CSA indexer top-k: its GPU tests, then DS4's step at a 1k context in 1k- and 64k-capacity states;
-# about five minutes, not measured yet).
+# about five minutes, not measured yet), `serve` (32 streaming clients against `python -m dsparkjax.serve` on the
+# embedded pair, scripts/bench_serve.py three times; needs wheels of the serve and test extras carried in .whl/:
+# starlette, uvicorn, h11, prometheus_client, openai and its dependencies; about two minutes, not measured yet).
 set -uo pipefail
 SECTIONS="${*:-tests kernels generate}"
 want() { [[ " $SECTIONS " == *" $1 "* ]]; }
@@ -80,6 +82,25 @@ for ix in ffi reference; do
     --prompts 1 --widths 1 --steps 32 --reps 5 --indexer $ix --cases $cases > "$OUT/indexer_step_$ix.txt" 2>&1
   grep -E "^device|^width|Error" "$OUT/indexer_step_$ix.txt"
 done
+fi
+if want serve; then
+echo "== server: 32 streaming clients, 8 leaving early (embedded pair, 16 rows, exact speculative decoding)"
+python3 -m dsparkjax.serve --port 8000 > "$OUT/serve.log" 2>&1 &
+server=$!
+python3 - <<'PY' || tail -20 "$OUT/serve.log"
+import time, urllib.request
+for _ in range(300):
+    try:
+        urllib.request.urlopen("http://127.0.0.1:8000/health", timeout=1); break
+    except OSError:
+        time.sleep(1)
+else:
+    raise SystemExit("the server did not come up")
+PY
+for run in 1 2 3; do python3 scripts/bench_serve.py --url http://127.0.0.1:8000/v1 | tee -a "$OUT/serve.jsonl"; done
+python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8000/metrics').read().decode())" \
+  | grep -E '^dsparkjax_(draft|engine_steps|generated)' | tee "$OUT/serve_metrics.txt"
+kill $server
 fi
 if want hc; then  # under a minute; compare two builds with bench_hc.py --compare=A.npz,B.npz
 echo "== mHC custom calls"
