@@ -111,8 +111,8 @@ def plot(slots: list[dict], path: str) -> None:
         right.plot(*zip(*s["prefix_isotonic"]), "-", color=color, lw=0.8, alpha=0.6)
         if s["threshold"] is not None:
             right.axvline(s["threshold"], color=color, ls=":", alpha=0.8)
-    left.set_title("candidate i accepted | 1..i-1 accepted, vs confidence c_i")
-    right.set_title("candidates 1..i all accepted, vs c_1·…·c_i (thin: isotonic fit, dotted: thresholds)")
+    left.set_title("candidate i accepted | 1..i-1 accepted, vs c_i")
+    right.set_title("1..i all accepted, vs c_1·…·c_i\n(thin: isotonic fit; dotted: thresholds)")
     for ax in (left, right):
         ax.plot([0, 1], [0, 1], "k--", lw=0.8)
         ax.set_xlabel("predicted")

@@ -16,7 +16,9 @@
 # KernelPolicy.gemm_min_rows), `policy` (the tensor-core mode's FFI attribute, off/auto/force, on the GPU), `q4k` (the Q4_K GPU tests alone, then Q4_K against Q2_K and IQ2_XXS at DS4's expert
 # shapes, T = 1, 2, 4, 8; its time is not measured yet, the kernels section's size) and `indexer` (the
 # length-bound CSA indexer top-k: its GPU tests, then DS4's step at a 1k context in 1k- and 64k-capacity states;
-# about five minutes, not measured yet).
+# about five minutes, not measured yet), and `train` (scripts/train_tiny.py on the GPU, bounded to about five
+# minutes: a hidden-128 pair with an F16 target of about 5 MB into $OUT/pair, the loss PNG and training_run.json
+# into $OUT; it needs no plugin, so run it alone as `DSPARKJAX_NO_BUILD=1 bash scripts/device_suite.sh train`).
 set -uo pipefail
 SECTIONS="${*:-tests kernels generate}"
 want() { [[ " $SECTIONS " == *" $1 "* ]]; }
@@ -80,6 +82,15 @@ for ix in ffi reference; do
     --prompts 1 --widths 1 --steps 32 --reps 5 --indexer $ix --cases $cases > "$OUT/indexer_step_$ix.txt" 2>&1
   grep -E "^device|^width|Error" "$OUT/indexer_step_$ix.txt"
 done
+fi
+if want train; then  # about five minutes: the loops stop at their budgets (130 s and 35 s, compiling included)
+echo "== train the embedded pair on the GPU (scripts/train_tiny.py)"
+python3 scripts/train_tiny.py --out "$OUT/pair" --docs "$OUT" --hidden 128 --expert_ffn 128 --target_recipe f16 \
+  --batch 32 --seq_len 256 --lr 2e-3 --target_steps 20000 --target_seconds 130 \
+  --draft_sequences 1024 --drafter_batch 16 --anchors 32 --drafter_steps 10000 --drafter_seconds 35 \
+  > "$OUT/train.log" 2>&1
+tr '\r' '\n' < "$OUT/train.log" | grep -v "it/s]$" | tail -40
+ls -l "$OUT/pair"
 fi
 if want hc; then  # under a minute; compare two builds with bench_hc.py --compare=A.npz,B.npz
 echo "== mHC custom calls"
