@@ -135,6 +135,14 @@ def test_thresholds_travel_in_the_drafter_gguf_with_its_bytes_unchanged():
     assert exact.policy == dataclasses.replace(fast.policy, width_is_free=True)
 
 
+def test_a_fit_with_no_candidate_worth_verifying_is_stored_as_certainty_only(tmp_path):
+    _, draft_path, _ = _fitted_pair()
+    path = str(tmp_path / "draft.gguf")
+    copy_with_metadata(draft_path, path, {})
+    calibration.write_thresholds(path, ())
+    assert GGUFFile(path).metadata[SURVIVAL_THRESHOLDS_KEY] == [1.0]
+
+
 def test_a_drafter_with_bad_thresholds_is_refused_at_load():
     target_path, draft_path, _ = _fitted_pair()
     bad = os.path.join(tempfile.mkdtemp(prefix="dsparkjax-width-"), "draft.gguf")

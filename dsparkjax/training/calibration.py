@@ -140,6 +140,9 @@ def auc(score: np.ndarray, label: np.ndarray) -> float | None:
 
 
 def write_thresholds(draft_path: str, thresholds: tuple[float, ...]) -> None:
-    """Store fitted thresholds in the drafter GGUF (`SURVIVAL_THRESHOLDS_KEY`), its weights' bytes unchanged."""
-    values = list(check_thresholds(thresholds, "thresholds"))
+    """Store fitted thresholds in the drafter GGUF (`SURVIVAL_THRESHOLDS_KEY`), its weights' bytes unchanged.
+
+    A fit with no candidate worth verifying is stored as (1.0,): offer one only where the head is certain
+    (GGUF has no empty arrays)."""
+    values = list(check_thresholds(thresholds, "thresholds")) or [1.0]
     copy_with_metadata(draft_path, draft_path, {SURVIVAL_THRESHOLDS_KEY: (values, GGUFValueType.FLOAT32)})
