@@ -18,7 +18,10 @@
 # length-bound CSA indexer top-k: its GPU tests, then DS4's step at a 1k context in 1k- and 64k-capacity states;
 # about five minutes, not measured yet), `serve` (32 streaming clients against `python -m dsparkjax.serve` on the
 # embedded pair, scripts/bench_serve.py three times; needs wheels of the serve and test extras carried in .whl/:
-# starlette, uvicorn, h11, prometheus_client, openai and its dependencies; about two minutes, not measured yet).
+# starlette, uvicorn, h11, prometheus_client, openai and its dependencies; about two minutes, not measured yet),
+# and `train` (scripts/train_tiny.py on the GPU, bounded to about five
+# minutes: a hidden-128 pair with an F16 target of about 5 MB into $OUT/pair, the loss PNG and training_run.json
+# into $OUT; it needs no plugin, so run it alone as `DSPARKJAX_NO_BUILD=1 bash scripts/device_suite.sh train`).
 set -uo pipefail
 SECTIONS="${*:-tests kernels generate}"
 want() { [[ " $SECTIONS " == *" $1 "* ]]; }
@@ -101,6 +104,15 @@ for run in 1 2 3; do python3 scripts/bench_serve.py --url http://127.0.0.1:8000/
 python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8000/metrics').read().decode())" \
   | grep -E '^dsparkjax_(draft|engine_steps|generated)' | tee "$OUT/serve_metrics.txt"
 kill $server
+fi
+if want train; then  # about five minutes: the loops stop at their budgets (130 s and 35 s, compiling included)
+echo "== train the embedded pair on the GPU (scripts/train_tiny.py)"
+python3 scripts/train_tiny.py --out "$OUT/pair" --docs "$OUT" --hidden 128 --expert_ffn 128 --target_recipe f16 \
+  --batch 32 --seq_len 256 --lr 2e-3 --target_steps 20000 --target_seconds 130 \
+  --draft_sequences 1024 --drafter_batch 16 --anchors 32 --drafter_steps 10000 --drafter_seconds 35 \
+  > "$OUT/train.log" 2>&1
+tr '\r' '\n' < "$OUT/train.log" | grep -v "it/s]$" | tail -40
+ls -l "$OUT/pair"
 fi
 if want hc; then  # under a minute; compare two builds with bench_hc.py --compare=A.npz,B.npz
 echo "== mHC custom calls"
