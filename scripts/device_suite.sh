@@ -16,7 +16,8 @@
 # KernelPolicy.gemm_min_rows), `policy` (the tensor-core mode's FFI attribute, off/auto/force, on the GPU), `q4k` (the Q4_K GPU tests alone, then Q4_K against Q2_K and IQ2_XXS at DS4's expert
 # shapes, T = 1, 2, 4, 8; its time is not measured yet, the kernels section's size) and `indexer` (the
 # length-bound CSA indexer top-k: its GPU tests, then DS4's step at a 1k context in 1k- and 64k-capacity states;
-# about five minutes, not measured yet).
+# about five minutes, not measured yet) and `invariance` (issue 42: scripts/check_invariance.py on the embedded pair
+# and on DS4's dims with 4 layers in bf16 and f32, then exact against fast generation at batch 1, 8 and 64).
 set -uo pipefail
 SECTIONS="${*:-tests kernels generate}"
 want() { [[ " $SECTIONS " == *" $1 "* ]]; }
@@ -79,6 +80,21 @@ for ix in ffi reference; do
   XLA_FLAGS= python3 scripts/bench_step.py --config ds4 --layers 8 --dtype bfloat16 --recipe published \
     --prompts 1 --widths 1 --steps 32 --reps 5 --indexer $ix --cases $cases > "$OUT/indexer_step_$ix.txt" 2>&1
   grep -E "^device|^width|Error" "$OUT/indexer_step_$ix.txt"
+done
+fi
+if want invariance; then  # not timed yet (DS4 compiles 18 step widths x batches per dtype): run it alone
+echo "== batch invariance (issue 42): check_invariance.py on the embedded pair and DS4 with 4 layers (bf16, f32)"
+python3 scripts/check_invariance.py > "$OUT/invariance_tiny.log" 2>&1; tail -1 "$OUT/invariance_tiny.log"
+for dt in bfloat16 float32; do
+  XLA_FLAGS= python3 scripts/check_invariance.py --config ds4 --layers 4 --dtype $dt > "$OUT/invariance_ds4_$dt.log" 2>&1
+  echo "ds4 $dt: $(grep -c 'values differ' "$OUT/invariance_ds4_$dt.log") differing quantities"; tail -1 "$OUT/invariance_ds4_$dt.log"
+done
+echo "== exact (batch-invariant) vs fast (today's width-1 program) generation, DS4 4 layers bf16, oracle acceptance 0.8"
+for b in 1 8 64; do  # 64: speculative == plain over 64 prompts (exactness in the JSON)
+  XLA_FLAGS= python3 scripts/bench_generate.py --config ds4 --layers 4 --dtype bfloat16 --recipe published \
+    --prompts $b --max_new_tokens 32 --q 6 --acceptance 0.8 --reps 3 --output "$OUT/invariance_generate_b$b.json" \
+    > "$OUT/invariance_generate_b$b.log" 2>&1
+  grep -v '^ ' "$OUT/invariance_generate_b$b.log" | tail -9
 done
 fi
 if want hc; then  # under a minute; compare two builds with bench_hc.py --compare=A.npz,B.npz
