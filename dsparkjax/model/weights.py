@@ -13,7 +13,8 @@ XLA's GEMM, which reads the weight a few times per call (the dequantization, the
 tile of tokens. Expert stacks keep the kernel, which serves each expert only
 the tokens that chose it. The row thresholds and the GPU's tensor-core mode come from the KernelPolicy the
 step traces under (`dsparkjax.kernels.policy`, part of its jit key). The row count is a static shape, so a
-program takes one route for all its steps (exact speculative decoding runs one program).
+program takes one route for all its steps. Under an invariant policy (exact decoding) there is no dense copy,
+and dense weights multiply on the packed kernels too, as their own bytes (`kernels/rowwise.py`).
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ class RowBlocks:
     allow, so that each stacked part is one matmul: one kernel launch and one staging of the activations
     instead of one per matrix (docs/kernels.md#tuning-stacked-matrices). The packed kernels compute each row in an order of its own, so there a stacked matrix's
     outputs are its own call's bits; XLA's dots (dense weights, the jnp reference, the dense-copy route) may
-    round the wider product differently. Exact decoding does not mind: every program multiplies the same
-    stacked weights.
+    round the wider product differently. Exact decoding does not mind: its invariant steps multiply every
+    weight, dense or packed, on the kernels.
 
     parts[i] holds the matrices of out-sizes sizes[i], in order, along its out axis (`[..., out, in]`).
     """
