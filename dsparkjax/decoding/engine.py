@@ -109,7 +109,9 @@ class Engine:
         queued = self._dispatch() if self._running else None
         if self._queue_ahead:
             queued, self._in_flight = self._in_flight, queued
-        emitted.update(self._read(queued))
+        for row, out in self._read(queued).items():  # a row prefilled in this call emitted its first token before
+            first = emitted.get(row)
+            emitted[row] = out if first is None else dataclasses.replace(out, tokens=first.tokens + out.tokens)
         return emitted
 
     def _dispatch(self) -> _InFlight:
