@@ -19,9 +19,11 @@
 # about five minutes, not measured yet), `serve` (32 streaming clients against `python -m dsparkjax.serve` on the
 # embedded pair, scripts/bench_serve.py three times; needs wheels of the serve and test extras carried in .whl/:
 # starlette, uvicorn, h11, prometheus_client, openai and its dependencies; about two minutes, not measured yet),
-# and `train` (scripts/train_tiny.py on the GPU, bounded to about five
+# `train` (scripts/train_tiny.py on the GPU, bounded to about five
 # minutes: a hidden-128 pair with an F16 target of about 5 MB into $OUT/pair, the loss PNG and training_run.json
-# into $OUT; it needs no plugin, so run it alone as `DSPARKJAX_NO_BUILD=1 bash scripts/device_suite.sh train`).
+# into $OUT; it needs no plugin, so run it alone as `DSPARKJAX_NO_BUILD=1 bash scripts/device_suite.sh train`)
+# and `invariance` (issue 42: scripts/check_invariance.py on the embedded pair and on DS4's dims with 4 layers in
+# bf16 and f32, then exact against fast generation at batch 1, 8 and 64).
 set -uo pipefail
 SECTIONS="${*:-tests kernels generate}"
 want() { [[ " $SECTIONS " == *" $1 "* ]]; }
@@ -113,6 +115,21 @@ python3 scripts/train_tiny.py --out "$OUT/pair" --docs "$OUT" --hidden 128 --exp
   > "$OUT/train.log" 2>&1
 tr '\r' '\n' < "$OUT/train.log" | grep -v "it/s]$" | tail -40
 ls -l "$OUT/pair"
+fi
+if want invariance; then  # not timed yet (DS4 compiles 18 step widths x batches per dtype): run it alone
+echo "== batch invariance (issue 42): check_invariance.py on the embedded pair and DS4 with 4 layers (bf16, f32)"
+python3 scripts/check_invariance.py > "$OUT/invariance_tiny.log" 2>&1; tail -1 "$OUT/invariance_tiny.log"
+for dt in bfloat16 float32; do
+  XLA_FLAGS= python3 scripts/check_invariance.py --config ds4 --layers 4 --dtype $dt > "$OUT/invariance_ds4_$dt.log" 2>&1
+  echo "ds4 $dt: $(grep -c 'values differ' "$OUT/invariance_ds4_$dt.log") differing quantities"; tail -1 "$OUT/invariance_ds4_$dt.log"
+done
+echo "== exact (batch-invariant) vs fast (today's width-1 program) generation, DS4 4 layers bf16, oracle acceptance 0.8"
+for b in 1 8 64; do  # 64: speculative == plain over 64 prompts (exactness in the JSON)
+  XLA_FLAGS= python3 scripts/bench_generate.py --config ds4 --layers 4 --dtype bfloat16 --recipe published \
+    --prompts $b --max_new_tokens 32 --q 6 --acceptance 0.8 --reps 3 --output "$OUT/invariance_generate_b$b.json" \
+    > "$OUT/invariance_generate_b$b.log" 2>&1
+  grep -v '^ ' "$OUT/invariance_generate_b$b.log" | tail -9
+done
 fi
 if want hc; then  # under a minute; compare two builds with bench_hc.py --compare=A.npz,B.npz
 echo "== mHC custom calls"

@@ -115,7 +115,8 @@ def prefill_program(cfg: TargetConfig, options: StepOptions) -> AotFunction:
                             ewma=jnp.where(ends, ewma_init, loop.ewma))
         return loop, rows, logits, first
 
-    return AotFunction(program, donate_argnames=("loop",), static_argnames=("sample",))
+    return AotFunction(program, donate_argnames=("loop",), static_argnames=("sample",),
+                       compiler_options=options.policy.compiler_options)
 
 
 @functools.lru_cache(maxsize=None)
@@ -145,11 +146,13 @@ def decode_program(cfg: TargetConfig, options: StepOptions) -> AotFunction:
                             seeds=outcome.bonus, ewma=ewma_update(loop.ewma, outcome.matched, ewma_decay))
         return loop, rows, outcome
 
-    return AotFunction(program, donate_argnames=("loop",), static_argnames=("width", "ewma_decay", "sample"))
+    return AotFunction(program, donate_argnames=("loop",), static_argnames=("width", "ewma_decay", "sample"),
+                       compiler_options=options.policy.compiler_options)
 
 
 @functools.lru_cache(maxsize=None)
 def step_program(cfg: TargetConfig, options: StepOptions) -> AotFunction:
     """The bare target step `step(params, state, tokens) -> (logits, features, state)`, one executable per
     width, with the state donated: the building block the programs above wrap, for tests and benchmarks."""
-    return AotFunction(TargetModel(cfg, options).step, donate_argnums=(1,))
+    return AotFunction(TargetModel(cfg, options).step, donate_argnums=(1,),
+                       compiler_options=options.policy.compiler_options)

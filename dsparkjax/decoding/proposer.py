@@ -49,7 +49,9 @@ class Proposer(Protocol):
 @functools.lru_cache(maxsize=None)
 def _compiled(cfg: DrafterConfig, simulate_qat: bool, policy: KernelPolicy) -> tuple[AotFunction, AotFunction]:
     model = DrafterModel(cfg, simulate_qat, policy)
-    return AotFunction(model.absorb, donate_argnums=(1,)), AotFunction(model.propose)
+    xla = policy.compiler_options
+    return (AotFunction(model.absorb, donate_argnums=(1,), compiler_options=xla),
+            AotFunction(model.propose, compiler_options=xla))
 
 
 @dataclasses.dataclass(frozen=True)
