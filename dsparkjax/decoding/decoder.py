@@ -81,8 +81,7 @@ class Decoder:
         # Room for the prompt, the new tokens and two queued steps, rounded up to a power of two so that runs
         # of similar sizes reuse compiled programs.
         need = max(lengths) + max_new_tokens + max_step + block + 1
-        # Both modes compile a program per width (the step is batch invariant), so no width is free.
-        policy = policy_for(width, proposer, block + 1, width_is_free=False)
+        policy = policy_for(width, proposer, block + 1)
         return cls(target, proposer, batch=len(lengths), max_len=1 << max(6, need.bit_length()), max_step=max_step,
                    prefill_chunk=prefill_chunk, block=block, verify=verify, policy=policy, sample=sample,
                    capture_layers=drafter.capture_layers if drafter is not None else ())

@@ -34,16 +34,12 @@ class WidthPolicy:
     kind: "confidence" (q = 1 + the leading run of k with c_1·…·c_k >= thresholds[k − 1]), "ewma" (drafters
       without a confidence head: ewma ← decay·ewma + (1−decay)·matched, q = int(ewma) + 2), or "fixed"
       (q = fixed_q every step). The result is clamped to [1, max_q].
-    width_is_free: the decoder's verify program has one width whatever q is (exact mode's fixed program), so
-      a verified row costs nothing: the adaptive kinds then offer the whole block (q = max_q); "fixed" keeps
-      its q.
     """
 
     kind: Literal["confidence", "ewma", "fixed"] = "confidence"
     fixed_q: int = 4
     max_q: int = 6
     thresholds: tuple[float, ...] = LUCEBOX_THRESHOLDS
-    width_is_free: bool = False
     ewma_decay: float = 0.7
     ewma_init: float = 1.5
 
@@ -54,8 +50,6 @@ class WidthPolicy:
         """Width per sequence, int32 `[B]`, from the candidates' confidences `[B, K]` and the EWMA `[B]`."""
         if self.kind == "fixed":
             q = jnp.full(ewma.shape, self.fixed_q, jnp.int32)
-        elif self.width_is_free:
-            q = jnp.full(ewma.shape, self.max_q, jnp.int32)
         elif self.kind == "ewma":
             q = jnp.floor(ewma).astype(jnp.int32) + 2
         else:
@@ -94,12 +88,11 @@ def thresholds_from_metadata(metadata: Mapping[str, Any], block_size: int, path:
         raise GGUFContractError(path, f"metadata key {SURVIVAL_THRESHOLDS_KEY}", expected, repr(value)[:200]) from None
 
 
-def policy_for(width: int | str | WidthPolicy, proposer: Any, max_q: int, *, width_is_free: bool) -> WidthPolicy:
+def policy_for(width: int | str | WidthPolicy, proposer: Any, max_q: int) -> WidthPolicy:
     """`generate`'s `width` argument as a policy.
 
     "adaptive": the confidence policy (the proposer's fitted thresholds, else `LUCEBOX_THRESHOLDS`) if the
-    proposer has a confidence head, else the EWMA; `width_is_free` (the decoder's verify program has a fixed
-    width) makes it offer the whole block. A fixed q in [1, max_q] (an int or its digits). A WidthPolicy is
+    proposer has a confidence head, else the EWMA. A fixed q in [1, max_q] (an int or its digits). A WidthPolicy is
     taken as given, its max_q capped at max_q.
     """
     if isinstance(width, WidthPolicy):
@@ -112,9 +105,8 @@ def policy_for(width: int | str | WidthPolicy, proposer: Any, max_q: int, *, wid
     if width != "adaptive":
         raise ArgumentError(f"width must be 'adaptive' or an integer in [1, {max_q}], got {width!r}")
     if proposer is None or not proposer.has_confidence:
-        return WidthPolicy("ewma", max_q=max_q, width_is_free=width_is_free)
-    return WidthPolicy("confidence", max_q=max_q, thresholds=proposer.width_thresholds or LUCEBOX_THRESHOLDS,
-                       width_is_free=width_is_free)
+        return WidthPolicy("ewma", max_q=max_q)
+    return WidthPolicy("confidence", max_q=max_q, thresholds=proposer.width_thresholds or LUCEBOX_THRESHOLDS)
 
 
 def ewma_update(ewma: jax.Array, matched: jax.Array, decay: float) -> jax.Array:
