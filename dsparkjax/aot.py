@@ -20,18 +20,19 @@ class AotFunction:
 
     Calls go through jit's own C++ dispatch (microseconds); an executable compiled by `compile` sits in
     JAX's compilation cache, so the first call with those shapes neither traces nor compiles again.
+    `compiler_options` are XLA options of its executables (`KernelPolicy.compiler_options`).
     Arguments, positional or keyword, may be arrays or `jax.ShapeDtypeStruct`s when compiling, static ones
     (`static_argnums` / `static_argnames`) their hashable values; donated arguments stay donated.
     """
 
     def __init__(self, fn: Callable[..., Any], *, donate_argnums: tuple[int, ...] = (),
                  static_argnums: tuple[int, ...] = (), donate_argnames: tuple[str, ...] = (),
-                 static_argnames: tuple[str, ...] = ()):
+                 static_argnames: tuple[str, ...] = (), compiler_options: dict[str, Any] | None = None):
         # Only the given ones are passed: jit then infers the others from the signature, so a donated or static
         # argument named here is donated or static whether it is passed by position or by keyword.
         given = dict(donate_argnums=donate_argnums, static_argnums=static_argnums, donate_argnames=donate_argnames,
                      static_argnames=static_argnames)
-        self._jit = jax.jit(fn, **{k: v for k, v in given.items() if v})
+        self._jit = jax.jit(fn, **{k: v for k, v in given.items() if v}, compiler_options=compiler_options)
         self._static = frozenset(static_argnums)
         self._static_names = frozenset(static_argnames)
         self._compiled: dict[Any, Any] = {}

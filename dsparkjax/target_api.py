@@ -38,11 +38,24 @@ class Target:
     kernels: str = "dequantize"  # how matrices run: "dequantize" (dense), "ffi" or "reference" (packed)
     policy: KernelPolicy = KernelPolicy()  # kernel routing; its HC backend follows `kernels` (options())
 
-    def options(self, capture_layers: tuple[int, ...] = ()) -> StepOptions:
-        """The static step options: the HC mixes and the indexer run on the FFI kernels exactly when the matrices do."""
-        ffi = self.kernels == "ffi"
-        policy = dataclasses.replace(self.policy, hc_backend="ffi" if ffi else None,
-                                     indexer_backend="ffi" if ffi else "reference")
+    @property
+    def invariant(self) -> bool:
+        """Whether this target's steps can be batch invariant: the FFI plugin is loaded and the matrices do not
+        run on the kernels' jnp reference (`KernelPolicy.invariant`)."""
+        from dsparkjax.kernels import ffi
+
+        return self.kernels != "reference" and ffi.available()
+
+    def options(self, capture_layers: tuple[int, ...] = (), invariant: bool = True) -> StepOptions:
+        """The static step options. `invariant` (where the target can be, `self.invariant`) computes every row in
+        an order of its own: what exact decoding runs. Otherwise the HC mixes and the indexer run on the FFI
+        kernels exactly when the matrices do, and XLA picks the order of the other contractions."""
+        if invariant and self.invariant:
+            policy = dataclasses.replace(self.policy, hc_backend="ffi", indexer_backend="ffi", invariant=True)
+        else:
+            ffi = self.kernels == "ffi"
+            policy = dataclasses.replace(self.policy, hc_backend="ffi" if ffi else None,
+                                         indexer_backend="ffi" if ffi else "reference", invariant=False)
         return StepOptions(simulate_qat=self.simulate_qat, capture_layers=capture_layers, policy=policy)
 
     def check_tokens(self, tokens: np.ndarray, what: str = "token ids") -> None:

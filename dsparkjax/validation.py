@@ -62,8 +62,8 @@ def temperature(value: Any) -> float:
     return float(value)
 
 
-PROPOSER_MEMBERS = ("block_size", "capture_layers", "has_confidence", "init_state", "precompile", "absorb",
-                    "propose", "propose_sampled")
+PROPOSER_MEMBERS = ("block_size", "capture_layers", "has_confidence", "width_thresholds", "init_state", "precompile",
+                    "absorb", "propose", "propose_sampled")
 
 
 def proposer(drafter: Any) -> None:

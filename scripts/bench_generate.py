@@ -7,7 +7,8 @@ and `--layers` of its 43 layers, with its full-size drafter, matrices written as
 it as GGUF (float32, or quantized with `--recipe`: `published` and `q4k_experts` are DS4's own types, run on the
 packed kernels as a real file is) and loads it back (`--kernels dequantize` runs a quantized file on dense weights instead: the packed kernels'
 A/B on the same numbers), then for the same random prompts measures:
-- plain decoding through the exact program (width 1 + block) and through the width-1 program (fast);
+- plain decoding through the exact (batch-invariant) width-1 program and through the fast one (XLA's own
+  contractions: the program exact mode ran before issue 42 made steps batch invariant);
 - speculative decoding with an oracle proposer at a chosen acceptance rate (the drafter's quality is not
   what is measured here: the verify economics are), exact and fast, and with the random DSpark drafter;
 - exactness: exact-mode speculative tokens == plain exact tokens for every prompt; the fast mode's mismatch

@@ -296,9 +296,9 @@ class Bench:
                         | ({EXACT_WIDTH} if "speculative" in m else set()))
         jobs: list[tuple[str, Callable[[], None]]] = [
             (f"decode b1 q{w} capacity {c}", lambda w=w: self.runner.compile(1, c, w)) for w in widths]
-        if "batched" in m:
-            jobs += [(f"decode b{b} q1 capacity {self.batch_capacity()}",
-                      lambda b=b: self.runner.compile(b, self.batch_capacity(), 1)) for b in s.batches]
+        batches = (set(s.batches) if "batched" in m else set()) | ({1} if "capacity_cost" in m else set())
+        jobs += [(f"decode b{b} q1 capacity {self.batch_capacity()}",
+                  lambda b=b: self.runner.compile(b, self.batch_capacity(), 1)) for b in sorted(batches)]
         drafter = self.model.drafter
         if "drafter" in m and drafter is not None:
             jobs.append(("drafter propose b1", lambda: drafter.precompile(drafter.init_state(1, EXACT_WIDTH), ())))
@@ -434,6 +434,23 @@ class Bench:
             out[str(b)] = dict(tok_s=b * 1e3 / ms, ms_per_step=ms, runs_ms=runs, position=ctx, capacity=cap)
         return out
 
+    def capacity_cost(self, plain: dict[str, Any] | None) -> dict[str, Any]:
+        """Issue 38 part 3: a width-1 step at the first context in a state just big enough for it (the capacity
+        `generate` would allocate) against the same step in the `--capacity` state of plain_decode. Cost should
+        follow the length, not the capacity."""
+        s, ctx, small = self.s, self.s.contexts[0], self.batch_capacity()
+        seeds = self.seeds(1)
+
+        def once() -> float:
+            return decode_run(self.runner, fresh(self.runner, 1, small, ctx), seeds, 1, steps=s.steps).seconds \
+                / s.steps * 1e3
+
+        ms, runs = median_runs(s.reps, once)
+        large = (plain or {}).get(str(ctx), {}).get("ms_per_token")
+        return dict(position=ctx, small_capacity=small, small_ms_per_token=ms, runs_ms=runs,
+                    large_capacity=s.capacity, large_ms_per_token=large,
+                    large_over_small=large / ms if large else None)
+
     def memory(self) -> dict[str, Any]:
         mem, loaded = footprint.device_memory(), self.after_load
         return dict(device_limit_bytes=loaded and loaded.limit, device_in_use_after_load_bytes=loaded and loaded.in_use,
@@ -478,6 +495,8 @@ def run(role: str, s: Settings, configured: runtime.Settings, part: Part, t0: fl
     if "speculative" in m:
         plain = (part.results.get("plain_decode") or {}).get(str(s.contexts[0]), {}).get("tok_s")
         part.record("speculative", lambda: bench.speculative(plain))
+    if "capacity_cost" in m:
+        part.record("capacity_cost", lambda: bench.capacity_cost(part.results.get("plain_decode")))
     if "batched" in m:
         part.record("batched", bench.batched)
     part.record("memory", bench.memory)

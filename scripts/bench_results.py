@@ -15,7 +15,8 @@ from typing import Any, Callable
 
 SCHEMA = "dsparkjax.bench/1"
 STARTUP_PROMPT_TOKENS, STARTUP_NEW_TOKENS = 32, 8  # the start-up generate call (bench.py and bench_load.py)
-MEASUREMENTS = ("startup", "copy_bandwidth", "plain_decode", "steps", "drafter", "speculative", "batched")
+MEASUREMENTS = ("startup", "copy_bandwidth", "plain_decode", "capacity_cost", "steps", "drafter", "speculative",
+                "batched")
 
 # Every field of the JSON, `*` standing for a key (a context, width, acceptance rate, batch or program name).
 # A measurement that failed is {"error": "..."} instead of its fields, one not run {"skipped": "why"}.
@@ -105,6 +106,13 @@ FIELDS = {
     "speculative.*.equals_plain_exact": "whether the speculative tokens equal plain exact decoding's",
     "speculative.*.runs_ms": "each timed run's ms per token",
     "speculative.*.position": "tokens the state holds when a run starts",
+    "capacity_cost.position": "tokens the state holds (the first context)",
+    "capacity_cost.small_capacity": "tokens the small state can hold (what generate would allocate)",
+    "capacity_cost.small_ms_per_token": "batch-1 plain decoding at the first context in the small state",
+    "capacity_cost.runs_ms": "each timed run's ms per token in the small state",
+    "capacity_cost.large_capacity": "tokens the plain_decode state can hold (--capacity)",
+    "capacity_cost.large_ms_per_token": "plain_decode.<first context>.ms_per_token",
+    "capacity_cost.large_over_small": "large_ms_per_token / small_ms_per_token (issue 38: within 1.05)",
     "batched.*.tok_s": "aggregate tokens per second of * sequences (width-1 program, generate's loop)",
     "batched.*.ms_per_step": "ms per step of all * sequences",
     "batched.*.runs_ms": "each timed run's ms per step",
@@ -215,6 +223,10 @@ def table(r: dict) -> str:
         rows.append((f"compile: {name}", _fmt(v, "seconds"), "s"))
     for ctx, v in _sections(r, "plain_decode"):
         rows.append((f"plain decode at {ctx} (capacity {v.get('capacity')})", _fmt(v, "tok_s"), "tok/s"))
+    cost = r.get("capacity_cost") or {}
+    if cost.get("large_over_small") is not None:
+        rows.append((f"capacity {cost['large_capacity']} over {cost['small_capacity']} at {cost['position']}",
+                     f"x{cost['large_over_small']:.3f}", ""))
     for q, v in _sections(r, "steps"):
         rows.append((f"step q={q}", f"{_fmt(v, 'ms')} (x{_fmt(v, 'ratio_to_q1')})", "ms"))
     for p, v in _sections(r, "speculative"):

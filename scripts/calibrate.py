@@ -1,78 +1,69 @@
 """Calibration of a DSpark drafter's confidence head against real acceptance, and width thresholds from it.
 
-    python scripts/calibrate.py --png docs/calibration.png --json_out docs/calibration.json
+    python scripts/calibrate.py --png docs/calibration.png --json_out docs/calibration.json --write_draft
 
-Held-out prompts (`dsparkjax/training/corpus.py`) are continued greedily by the target; the drafter then
-proposes at every position of those continuations, as speculative decoding would after accepting everything
-before it, and each candidate is scored against the target's own next tokens. For block slot i the plot
-shows, per confidence bin, how often candidate i matched given that candidates 1..i-1 did (what the
-confidence head predicts), and the prefix survival ∏ c against how often candidates 1..i all matched (what
-a width policy thresholds). The chosen threshold for verifying i candidates is the lowest predicted prefix
-survival above which candidates 1..i all matched at least `--break_even` of the time.
+Held-out prompts (`dsparkjax/training/corpus.py`) are continued greedily by the target; the drafter proposes
+at every position of those continuations and each candidate is scored against the target's next tokens
+(`dsparkjax/training/calibration.py`). For block slot i the plot shows, per confidence bin, how often
+candidate i matched given that candidates 1..i-1 did (what the confidence head predicts), and the prefix
+survival c_1·…·c_i against how often candidates 1..i all matched (what the width policy thresholds), with
+its isotonic fit and the fitted threshold: the lowest c_1·…·c_i whose calibrated survival reaches
+`--break_even`. `--write_draft` stores the thresholds in the drafter GGUF, where `load_drafter` reads them as
+its adaptive width policy's defaults.
 """
 
 from __future__ import annotations
 
 import json
 
-import jax.numpy as jnp
 import numpy as np
 from absl import app, flags, logging
 
-from dsparkjax.embedded import embedded_pair
-from dsparkjax.model.state import init_state
-from dsparkjax.decoding.generate import generate
 from dsparkjax.decoding.proposer import load_drafter
-from dsparkjax.decoding.program import step_program
+from dsparkjax.embedded import embedded_pair
 from dsparkjax.target_api import load_target
+from dsparkjax.training import calibration
 from dsparkjax.training.corpus import held_out_prompts
 
 _TARGET = flags.DEFINE_string("target", None, "Target GGUF (default: the embedded target).")
 _DRAFT = flags.DEFINE_string("draft", None, "Drafter GGUF (default: the embedded drafter).")
-_PROMPTS = flags.DEFINE_integer("prompts", 32, "Held-out prompts.")
-_PROMPT_LEN = flags.DEFINE_integer("prompt_len", 32, "Tokens per prompt.")
-_NEW = flags.DEFINE_integer("new_tokens", 64, "Greedy tokens per prompt (the positions drafted from).")
-_SEED = flags.DEFINE_integer("seed", 11, "Seed of the prompt positions.")
+_PROMPTS = flags.DEFINE_integer("prompts", calibration.PROMPTS, "Held-out prompts.")
+_PROMPT_LEN = flags.DEFINE_integer("prompt_len", calibration.PROMPT_LEN, "Tokens per prompt.")
+_NEW = flags.DEFINE_integer("new_tokens", calibration.NEW_TOKENS,
+                            "Greedy tokens per prompt (the positions drafted from).")
+_SEED = flags.DEFINE_integer("seed", calibration.PROMPT_SEED, "Seed of the prompt positions.")
 _BINS = flags.DEFINE_integer("bins", 10, "Confidence bins.")
-_BREAK_EVEN = flags.DEFINE_float("break_even", 0.5, "Survival rate a verified candidate must reach.")
+_BREAK_EVEN = flags.DEFINE_float("break_even", calibration.BREAK_EVEN,
+                                  "Calibrated survival a verified candidate must reach.")
 _PNG = flags.DEFINE_string("png", None, "Write the calibration plot here.")
 _JSON = flags.DEFINE_string("json_out", None, "Write the numbers and thresholds here.")
+_WRITE = flags.DEFINE_bool("write_draft", False, "Store the fitted thresholds in the drafter GGUF.")
 
 
-def draft_everywhere(target, drafter, sequences: np.ndarray, first: int) -> tuple[np.ndarray, np.ndarray]:
-    """Confidences float `[N, W]` and matches bool `[N, W]` of the drafter's proposals at every position
-    s >= first of the sequences int `[B, T]` (seed = token s, context = positions < s)."""
-    b, t = sequences.shape
-    width = drafter.block_size
-    step = step_program(target.config, target.options(drafter.capture_layers))
-    _, features, _ = step(target.params, init_state(target.config, b, t, t, target.dtype), jnp.asarray(sequences))
-    state = drafter.absorb(drafter.init_state(b, t), features, jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)))
-    confidences, matches = [], []
-    for s in range(first, t - width):
-        seeds, pos = jnp.asarray(sequences[:, s], jnp.int32), jnp.full((b,), s, jnp.int32)
-        candidates, conf = drafter.propose(state, seeds, pos)
-        confidences.append(np.asarray(conf))
-        matches.append(np.asarray(candidates) == sequences[:, s + 1 : s + 1 + width])
-    return np.concatenate(confidences), np.concatenate(matches)
-
-
-def reliability(predicted: np.ndarray, observed: np.ndarray, edges: np.ndarray) -> list[dict]:
-    """Per bin of `predicted`: count, mean prediction and observed rate."""
-    rows = []
-    for lo, hi in zip(edges[:-1], edges[1:]):
-        inside = (predicted >= lo) & ((predicted < hi) | (hi == edges[-1]))
-        if inside.any():
-            rows.append(dict(lo=float(lo), hi=float(hi), count=int(inside.sum()),
-                             predicted=float(predicted[inside].mean()), observed=float(observed[inside].mean())))
-    return rows
-
-
-def threshold(predicted: np.ndarray, observed: np.ndarray, break_even: float) -> float | None:
-    """The lowest t such that samples predicted >= t survive at a rate >= break_even (None if none does)."""
-    order = np.argsort(-predicted)
-    rates = np.cumsum(observed[order]) / np.arange(1, len(order) + 1)
-    good = np.nonzero(rates >= break_even)[0]
-    return float(predicted[order][good[-1]]) if len(good) else None
+def report(proposals: calibration.Proposals, bins: int, break_even: float) -> dict:
+    """Per slot: samples reaching it, acceptance there, reliability bins, ECE, AUC and the fitted threshold."""
+    conf, match = proposals.confidences, proposals.matches
+    predicted, survived = proposals.predicted, proposals.survived
+    thresholds = calibration.fit_thresholds(proposals, break_even)
+    edges = np.linspace(0.0, 1.0, bins + 1)
+    slots = []
+    for i in range(conf.shape[1]):
+        reached = survived[:, i - 1] if i else np.ones(len(match), bool)
+        conditional = calibration.reliability(conf[reached, i], match[reached, i], edges)
+        xs, fit = calibration.isotonic(predicted[:, i], survived[:, i])
+        keep = np.unique(np.linspace(0, len(xs) - 1, 50).astype(int))
+        slots.append(dict(
+            slot=i + 1, samples=int(reached.sum()),
+            acceptance=float(match[reached, i].mean()) if reached.any() else None,
+            conditional=conditional,
+            conditional_ece=sum(r["count"] * abs(r["predicted"] - r["observed"]) for r in conditional)
+            / max(int(reached.sum()), 1),
+            conditional_auc=calibration.auc(conf[reached, i], match[reached, i]),
+            prefix=calibration.reliability(predicted[:, i], survived[:, i], edges),
+            prefix_auc=calibration.auc(predicted[:, i], survived[:, i]),
+            prefix_isotonic=[[float(xs[j]), float(fit[j])] for j in keep],
+            threshold=thresholds[i] if i < len(thresholds) else None))
+    return dict(break_even=break_even, thresholds=list(thresholds), slots=slots)
 
 
 def main(argv: list[str]) -> None:
@@ -85,36 +76,26 @@ def main(argv: list[str]) -> None:
     target = load_target(target_path)
     drafter = load_drafter(draft_path, target)
     prompts = held_out_prompts(target.tokenizer, _PROMPTS.value, _PROMPT_LEN.value, _SEED.value)
-    plain = generate(target, prompts, mode="ar", max_new_tokens=_NEW.value, stop_tokens=())
-    sequences = np.array([p + r.token_ids for p, r in zip(prompts, plain)], np.int32)
-    conf, match = draft_everywhere(target, drafter, sequences, _PROMPT_LEN.value)
-    survived = np.cumprod(match, axis=1).astype(bool)
-    predicted = np.cumprod(conf, axis=1)
-    edges = np.linspace(0.0, 1.0, _BINS.value + 1)
-    slots = []
-    for i in range(drafter.block_size):
-        reached = survived[:, i - 1] if i else np.ones(len(match), bool)
-        slots.append(dict(
-            slot=i + 1, samples=int(reached.sum()),
-            acceptance=float(match[reached, i].mean()) if reached.any() else None,
-            conditional=reliability(conf[reached, i], match[reached, i], edges),
-            prefix=reliability(predicted[:, i], survived[:, i], edges),
-            prefix_threshold=threshold(predicted[:, i], survived[:, i], _BREAK_EVEN.value)))
-        ece = sum(r["count"] * abs(r["predicted"] - r["observed"]) for r in slots[-1]["conditional"])
-        slots[-1]["conditional_ece"] = ece / max(slots[-1]["samples"], 1)
-    report = dict(target=target_path, draft=draft_path, prompts=len(prompts), new_tokens=_NEW.value,
-                  positions=int(len(match)), break_even=_BREAK_EVEN.value, slots=slots)
-    text = json.dumps(report, indent=2)
-    print(json.dumps([{k: s[k] for k in ("slot", "samples", "acceptance", "conditional_ece", "prefix_threshold")}
-                      for s in slots], indent=1))
+    proposals = calibration.proposals_on(target, drafter, prompts, _NEW.value)
+    result = dict(target=target_path, draft=draft_path, prompts=len(prompts), prompt_len=_PROMPT_LEN.value,
+                  new_tokens=_NEW.value, seed=_SEED.value, positions=int(len(proposals.matches)),
+                  **report(proposals, _BINS.value, _BREAK_EVEN.value))
+    print(json.dumps([{k: s[k] for k in ("slot", "samples", "acceptance", "conditional_ece", "conditional_auc",
+                                         "prefix_auc", "threshold")} for s in result["slots"]], indent=1))
+    print("thresholds:", result["thresholds"])
     if _JSON.value:
         with open(_JSON.value, "w") as f:
-            f.write(text + "\n")
+            f.write(json.dumps(result, indent=2) + "\n")
     if _PNG.value:
-        plot(slots, _PNG.value)
+        plot(result["slots"], _PNG.value)
+    if _WRITE.value:
+        calibration.write_thresholds(draft_path, tuple(result["thresholds"]))
+        print(f"wrote the thresholds to {draft_path}")
 
 
 def plot(slots: list[dict], path: str) -> None:
+    """Left: candidate i's acceptance against c_i; right: prefix survival against c_1·…·c_i, isotonic fits
+    (thin) and thresholds (dotted)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -122,13 +103,16 @@ def plot(slots: list[dict], path: str) -> None:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 5))
     for s in slots:
-        for ax, key in ((left, "conditional"), (right, "prefix")):
-            rows = s[key]
-            ax.plot([r["predicted"] for r in rows], [r["observed"] for r in rows], "o-", label=f"slot {s['slot']}")
-        if s["prefix_threshold"] is not None:
-            right.axvline(s["prefix_threshold"], color=right.lines[-1].get_color(), ls=":", alpha=0.6)
-    left.set_title("candidate i accepted | 1..i-1 accepted, vs confidence c_i")
-    right.set_title("candidates 1..i all accepted, vs c_1·…·c_i (dotted: thresholds)")
+        line, = left.plot([r["predicted"] for r in s["conditional"]], [r["observed"] for r in s["conditional"]],
+                          "o-", label=f"slot {s['slot']}")
+        color = line.get_color()
+        right.plot([r["predicted"] for r in s["prefix"]], [r["observed"] for r in s["prefix"]], "o-", color=color,
+                   label=f"slot {s['slot']}")
+        right.plot(*zip(*s["prefix_isotonic"]), "-", color=color, lw=0.8, alpha=0.6)
+        if s["threshold"] is not None:
+            right.axvline(s["threshold"], color=color, ls=":", alpha=0.8)
+    left.set_title("candidate i accepted | 1..i-1 accepted, vs c_i")
+    right.set_title("1..i all accepted, vs c_1·…·c_i\n(thin: isotonic fit; dotted: thresholds)")
     for ax in (left, right):
         ax.plot([0, 1], [0, 1], "k--", lw=0.8)
         ax.set_xlabel("predicted")

@@ -16,8 +16,16 @@
 # KernelPolicy.gemm_min_rows), `policy` (the tensor-core mode's FFI attribute, off/auto/force, on the GPU), `q4k` (the Q4_K GPU tests alone, then Q4_K against Q2_K and IQ2_XXS at DS4's expert
 # shapes, T = 1, 2, 4, 8; its time is not measured yet, the kernels section's size) and `indexer` (the
 # length-bound CSA indexer top-k: its GPU tests, then DS4's step at a 1k context in 1k- and 64k-capacity states;
-# about five minutes, not measured yet) and `sampling` (the generation benchmark with every run sampling at
-# T = 0.7: plain vs exact and lossless speculative sampling, tok/s; run it beside `generate` for the greedy numbers).
+# about five minutes, not measured yet), `serve` (32 streaming clients against `python -m dsparkjax.serve` on the
+# embedded pair, scripts/bench_serve.py three times; needs wheels of the serve and test extras carried in .whl/:
+# starlette, uvicorn, h11, prometheus_client, openai and its dependencies; about two minutes, not measured yet),
+# `train` (scripts/train_tiny.py on the GPU, bounded to about five
+# minutes: a hidden-128 pair with an F16 target of about 5 MB into $OUT/pair, the loss PNG and training_run.json
+# into $OUT; it needs no plugin, so run it alone as `DSPARKJAX_NO_BUILD=1 bash scripts/device_suite.sh train`),
+# `invariance` (issue 42: scripts/check_invariance.py on the embedded pair and on DS4's dims with 4 layers in
+# bf16 and f32, then exact against fast generation at batch 1, 8 and 64) and `sampling` (the generation
+# benchmark with every run sampling at T = 0.7: plain vs exact and lossless speculative sampling, tok/s; run it
+# beside `generate` for the greedy numbers).
 set -uo pipefail
 SECTIONS="${*:-tests kernels generate}"
 want() { [[ " $SECTIONS " == *" $1 "* ]]; }
@@ -87,6 +95,49 @@ for ix in ffi reference; do
   XLA_FLAGS= python3 scripts/bench_step.py --config ds4 --layers 8 --dtype bfloat16 --recipe published \
     --prompts 1 --widths 1 --steps 32 --reps 5 --indexer $ix --cases $cases > "$OUT/indexer_step_$ix.txt" 2>&1
   grep -E "^device|^width|Error" "$OUT/indexer_step_$ix.txt"
+done
+fi
+if want serve; then
+echo "== server: 32 streaming clients, 8 leaving early (embedded pair, 16 rows, exact speculative decoding)"
+python3 -m dsparkjax.serve --port 8000 > "$OUT/serve.log" 2>&1 &
+server=$!
+python3 - <<'PY' || tail -20 "$OUT/serve.log"
+import time, urllib.request
+for _ in range(300):
+    try:
+        urllib.request.urlopen("http://127.0.0.1:8000/health", timeout=1); break
+    except OSError:
+        time.sleep(1)
+else:
+    raise SystemExit("the server did not come up")
+PY
+for run in 1 2 3; do python3 scripts/bench_serve.py --url http://127.0.0.1:8000/v1 | tee -a "$OUT/serve.jsonl"; done
+python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8000/metrics').read().decode())" \
+  | grep -E '^dsparkjax_(draft|engine_steps|generated)' | tee "$OUT/serve_metrics.txt"
+kill $server
+fi
+if want train; then  # about five minutes: the loops stop at their budgets (130 s and 35 s, compiling included)
+echo "== train the embedded pair on the GPU (scripts/train_tiny.py)"
+python3 scripts/train_tiny.py --out "$OUT/pair" --docs "$OUT" --hidden 128 --expert_ffn 128 --target_recipe f16 \
+  --batch 32 --seq_len 256 --lr 2e-3 --target_steps 20000 --target_seconds 130 \
+  --draft_sequences 1024 --drafter_batch 16 --anchors 32 --drafter_steps 10000 --drafter_seconds 35 \
+  > "$OUT/train.log" 2>&1
+tr '\r' '\n' < "$OUT/train.log" | grep -v "it/s]$" | tail -40
+ls -l "$OUT/pair"
+fi
+if want invariance; then  # not timed yet (DS4 compiles 18 step widths x batches per dtype): run it alone
+echo "== batch invariance (issue 42): check_invariance.py on the embedded pair and DS4 with 4 layers (bf16, f32)"
+python3 scripts/check_invariance.py > "$OUT/invariance_tiny.log" 2>&1; tail -1 "$OUT/invariance_tiny.log"
+for dt in bfloat16 float32; do
+  XLA_FLAGS= python3 scripts/check_invariance.py --config ds4 --layers 4 --dtype $dt > "$OUT/invariance_ds4_$dt.log" 2>&1
+  echo "ds4 $dt: $(grep -c 'values differ' "$OUT/invariance_ds4_$dt.log") differing quantities"; tail -1 "$OUT/invariance_ds4_$dt.log"
+done
+echo "== exact (batch-invariant) vs fast (today's width-1 program) generation, DS4 4 layers bf16, oracle acceptance 0.8"
+for b in 1 8 64; do  # 64: speculative == plain over 64 prompts (exactness in the JSON)
+  XLA_FLAGS= python3 scripts/bench_generate.py --config ds4 --layers 4 --dtype bfloat16 --recipe published \
+    --prompts $b --max_new_tokens 32 --q 6 --acceptance 0.8 --reps 3 --output "$OUT/invariance_generate_b$b.json" \
+    > "$OUT/invariance_generate_b$b.log" 2>&1
+  grep -v '^ ' "$OUT/invariance_generate_b$b.log" | tail -9
 done
 fi
 if want hc; then  # under a minute; compare two builds with bench_hc.py --compare=A.npz,B.npz

@@ -81,6 +81,15 @@ def _prompts(tokenizer, texts: list[chat.Prompt], id_prompts: list[tuple[str, li
     return prompts + id_prompts
 
 
+def _banner(index: int, ids: list[int]) -> str:
+    return f"=== prompt {index + 1} ({len(ids)} tokens), then the generated text ==="
+
+
+def _generated(text: str) -> str:
+    """The generated part of a sequence, in bold on a terminal (the text reads on from its prompt)."""
+    return f"\033[1m{text}\033[0m" if sys.stdout.isatty() else text
+
+
 def main(argv: list[str]) -> None:
     del argv
     logging.set_verbosity(logging.WARNING)  # keep library INFO logs (gguf writer, jax backends) off the output
@@ -107,8 +116,11 @@ def main(argv: list[str]) -> None:
         piece = decoders[index].push(token) if decoders[index] else f" {token}"
         streamed[index] += piece
         if len(prompts) == 1:
-            print(piece, end="", flush=True)
+            print(_generated(piece), end="", flush=True)
 
+    if len(prompts) == 1:
+        print(_banner(0, prompts[0][1]))
+        print(prompts[0][0], end="", flush=True)
     start = time.perf_counter()
     results = generate(target, [ids for _, ids in prompts], drafter=drafter, max_new_tokens=_MAX_NEW.value,
                        verify=_VERIFY.value, width=_Q.value, on_token=on_token, mode=_MODE.value,
@@ -121,11 +133,12 @@ def main(argv: list[str]) -> None:
     print()
     total = sum(len(r.token_ids) for r in results)
     rows = []
-    for (shown, ids), r, text in zip(prompts, results, streamed):
+    for i, ((shown, ids), r, text) in enumerate(zip(prompts, results, streamed)):
         rate = f"{r.matched}/{r.offered}" if r.offered else "-"
-        print(f"--- prompt ({len(ids)} tokens): {shown!r}")
-        print(f"    output: {text!r}")
-        print(f"    {len(r.token_ids)} tokens, {r.tok_per_s:.1f} tok/s, {r.steps} steps, matched/offered {rate}, "
+        if len(prompts) > 1:  # a single prompt's text was streamed above
+            print(_banner(i, ids))
+            print(shown + _generated(text))
+        print(f"--- {len(r.token_ids)} tokens, {r.tok_per_s:.1f} tok/s, {r.steps} steps, matched/offered {rate}, "
               f"stop: {r.stop_reason}")
         rows.append(dict(prompt=shown, prompt_ids=ids, text=text, token_ids=r.token_ids, matched=r.matched,
                          offered=r.offered, steps=r.steps, tok_per_s=r.tok_per_s, stop_reason=r.stop_reason,

@@ -1,7 +1,7 @@
 """Speculative generation: exact mode equals plain greedy decoding, and lucebox's bugs as named tests.
 
-Exactness runs through one program width (1 + block_size) for decode and verify alike, so the property is
-checked bit for bit: speculative token ids == plain greedy token ids, on random tiny targets, prompts,
+Exact mode's steps are batch invariant (plain decoding at width 1, verification at the chosen width), so the
+property is checked bit for bit: speculative token ids == plain greedy token ids, on random tiny targets, prompts,
 batch sizes and widths, with an oracle drafter that agrees most of the time (acceptances) and is
 deliberately wrong elsewhere (rejections), and with the real DSpark drafter (random, disagreeing).
 """
@@ -172,16 +172,14 @@ def test_plain_decoding_queues_a_step_before_reading_one_back(monkeypatch, verif
 @pytest.mark.parametrize("verify", ["exact", "fast"])
 def test_plain_decoding_compiles_only_the_widths_it_dispatches(monkeypatch, verify):
     """Before its clock starts, plain decoding compiles the prefill chunk's program and the one width it
-    decodes with (exact: block + 1; fast: 1), not every width fast speculative decoding needs (each width of a
-    DS4-sized model takes tens of seconds to compile), and it dispatches no width it did not compile."""
-    import dsparkjax.decoding.decoder as gen
-
+    decodes with (1, in both modes: exact mode's steps are batch invariant), not every width speculative
+    decoding needs (each width of a DS4-sized model takes tens of seconds to compile), and it dispatches no
+    width it did not compile."""
     compiled, dispatched = set(), set()
     _watch_programs(monkeypatch, on_call=dispatched.add, on_compile=compiled.add)
     generate(tiny_target_model(), [[3, 4, 5], [6, 7]], max_new_tokens=4, verify=verify, stop_tokens=(),
              prefill_chunk=8)
-    decode_width = gen.DEFAULT_BLOCK + 1 if verify == "exact" else 1
-    assert compiled == {8, decode_width}
+    assert compiled == {8, 1}
     assert dispatched <= compiled
 
 

@@ -6,15 +6,19 @@ dispatch ahead of time (`compile`), prefills prompts into rows (`prefill`, share
 `generate`) and runs one decode step (`step`). It holds no mutable state: the loop's values travel in the
 `LoopState` it is given and returns. `Engine` (engine.py) drives it step by step.
 
-Verification modes (`exactness.md`, `spec_sampling.md`):
-- "exact": every decode step, plain and speculative alike, runs the one program of width 1 + block, with
-  padding rows where there are fewer candidates. XLA computes a row of a fixed-shape program independently
-  of its index and of the other rows, so speculative output equals plain greedy output bit for bit; when
-  sampling, a candidate is accepted iff it equals the target's keyed sample, so speculative output equals
-  plain sampled output with the same seeds.
-- "fast": a program per width q (plain decoding uses q = 1); cheaper, and may differ on near-tied logits.
-- "lossless": exact mode's one program, with the lossless rejection-sampling rule when sampling (the target's
-  distribution, not plain sampling's tokens; more candidates accepted). Greedy rows are decoded greedily.
+Every verification mode runs plain decoding at width 1 and a speculative step at the widest width its
+sequences' policy chose (one program per width, reading each step's widths back; `exactness.md`,
+`spec_sampling.md`):
+- "exact": the programs are batch invariant (`KernelPolicy.invariant`, issue 42): every row of a step is
+  computed in an order of its own, whatever the width and the batch, so speculative output equals plain
+  greedy output bit for bit; when sampling, a candidate is accepted iff it equals the target's keyed sample,
+  so speculative output equals plain sampled output with the same seeds. Needs the FFI plugin
+  (`Target.invariant`).
+- "fast": XLA picks the order of the dense contractions and may take the dense-copy GEMM for packed weights
+  at many rows per call (batched generation), which is faster there; output may differ on near-tied logits.
+- "lossless": exact mode's batch-invariant programs, with the lossless rejection-sampling rule when sampling
+  (the target's distribution, not plain sampling's tokens; more candidates accepted). Greedy rows are decoded
+  as in exact mode.
 """
 
 from __future__ import annotations
@@ -34,10 +38,13 @@ from dsparkjax.decoding.program import LoopState, RowsOut, StepOutcome, decode_p
 from dsparkjax.decoding.proposer import Proposer
 from dsparkjax.decoding.sampling import RowSampling
 from dsparkjax.decoding.width import WidthPolicy, policy_for
+from dsparkjax.errors import DsparkError
+from dsparkjax.kernels.ffi import BUILD_HINT
 from dsparkjax.model.state import init_state
+from dsparkjax.model.target import StepOptions
 from dsparkjax.target_api import Target
 
-DEFAULT_BLOCK = 5  # DSpark proposes 5 candidates; exact mode without a drafter uses the same program width
+DEFAULT_BLOCK = 5  # DSpark proposes 5 candidates: the state's rings are sized for 1 + block rows
 
 
 @functools.lru_cache(maxsize=None)
@@ -48,8 +55,9 @@ def _width_fn(policy: WidthPolicy) -> AotFunction:
 @functools.partial(AotFunction, static_argnums=(1,))
 def plain_proposal(seeds: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
     """Plain decoding's stand-in for a proposal: seeds int32 `[B]` repeated to `[B, block]`, never verified
-    (widths int32 `[B]` of 1). Exact mode's padding rows cost what real rows do; repeating each sequence's
-    seed routes them like real tokens, where one constant token would send them all to the same experts."""
+    (widths int32 `[B]` of 1; the width-1 program reads none of them). Programs wider than their verified rows
+    (a benchmark's fixed width) get rows routed like real tokens: one constant token would send them all to the
+    same experts."""
     return jnp.broadcast_to(seeds[:, None], (seeds.shape[0], block)), jnp.ones_like(seeds)
 
 
@@ -63,7 +71,7 @@ class Decoder:
     max_len: int  # positions per row the decode state holds
     max_step: int  # the widest step (prefill chunk or decode width) the state's rings hold
     prefill_chunk: int
-    block: int = DEFAULT_BLOCK  # candidates per proposal; exact mode's width is block + 1
+    block: int = DEFAULT_BLOCK  # candidates per proposal; a step verifies at most block + 1 rows
     verify: Literal["exact", "fast", "lossless"] = "exact"
     policy: WidthPolicy = WidthPolicy("fixed", fixed_q=1, max_q=1)
     sample: bool = False  # rows may sample (their RowSampling parameters); else every row is greedy
@@ -82,14 +90,17 @@ class Decoder:
         # Room for the prompt, the new tokens and two queued steps, rounded up to a power of two so that runs
         # of similar sizes reuse compiled programs.
         need = max(lengths) + max_new_tokens + max_step + block + 1
+        policy = policy_for(width, proposer, block + 1)
         return cls(target, proposer, batch=len(lengths), max_len=1 << max(6, need.bit_length()), max_step=max_step,
-                   prefill_chunk=prefill_chunk, block=block, verify=verify,
-                   policy=policy_for(width, proposer, block + 1), sample=sample,
+                   prefill_chunk=prefill_chunk, block=block, verify=verify, policy=policy, sample=sample,
                    capture_layers=drafter.capture_layers if drafter is not None else ())
 
-    @property
-    def exact_width(self) -> int:
-        return self.block + 1
+    def __post_init__(self) -> None:
+        if self.verify != "fast" and not self.target.invariant:
+            raise DsparkError(f"verify={self.verify!r} needs batch-invariant steps, which run on the FFI kernels: "
+                              f"{self.target.path} is loaded with kernels={self.target.kernels!r} and the plugin "
+                              f"is {'loaded' if self.target.kernels == 'reference' else 'missing'}; load it with "
+                              f"kernels='auto' or 'ffi' ({BUILD_HINT}), or pass verify='fast'")
 
     @property
     def lossless(self) -> bool:
@@ -104,11 +115,9 @@ class Decoder:
 
     @property
     def widths(self) -> tuple[int, ...]:
-        """The decode widths this decoder dispatches: exact and lossless modes' one; plain fast decoding's 1;
-        fast speculative decoding's 1..block + 1, one per proposer width."""
-        if self.verify != "fast":
-            return (self.exact_width,)
-        return (1,) if self.proposer is None else tuple(range(1, self.exact_width + 1))
+        """The decode widths this decoder dispatches: plain decoding's 1; speculative decoding's 1..block + 1,
+        one per proposer width."""
+        return (1,) if self.proposer is None else tuple(range(1, self.block + 2))
 
     def init(self) -> LoopState:
         """Empty rows: a fresh decode state and proposer state, no sequence active, every row greedy."""
@@ -179,8 +188,8 @@ class Decoder:
              ) -> tuple[LoopState, StepOutcome, jax.Array]:
         """Queue one decode step of the active rows; returns (loop, outcome, widths int32 `[B]`) on the device.
 
-        running: bool `[B]`, the rows the host still decodes (fast speculative decoding's program width is
-        the widest of their proposer widths, the one read back here); lengths: int `[B]`, an upper bound of
+        running: bool `[B]`, the rows the host still decodes (a speculative step's program width is the widest
+        of their proposer widths, the one read back here); lengths: int `[B]`, an upper bound of
         their committed lengths, to refuse a step past the state's max_len.
         """
         draft_logits = None
@@ -191,10 +200,10 @@ class Decoder:
             else:
                 drafts, confidences = self.proposer.propose(loop.proposer, loop.seeds, loop.state.length)
             widths = _width_fn(self.policy)(confidences, loop.ewma)
-            width = self.exact_width if self.verify != "fast" else int(np.asarray(widths)[running].max())
+            width = int(np.asarray(widths)[running].max())
         else:
             drafts, widths = plain_proposal(loop.seeds, self.block)
-            width = self.exact_width if self.verify != "fast" else 1
+            width = 1
         loop.state.check_step(width, lengths[running])
         loop, rows, outcome = self._decode()(self.target.params, loop, drafts=drafts, widths=widths, width=width,
                                              ewma_decay=self.policy.ewma_decay, sample=self.sample,
@@ -212,7 +221,11 @@ class Decoder:
 
     # The programs are looked up on every use (cached per config): the tests watch them by patching these.
     def _prefill(self) -> AotFunction:
-        return prefill_program(self.target.config, self.target.options(self.capture_layers))
+        return prefill_program(self.target.config, self._options())
 
     def _decode(self) -> AotFunction:
-        return decode_program(self.target.config, self.target.options(self.capture_layers))
+        return decode_program(self.target.config, self._options())
+
+    def _options(self) -> StepOptions:
+        """The target's step options: batch invariant in exact and lossless modes."""
+        return self.target.options(self.capture_layers, invariant=self.verify != "fast")

@@ -5,12 +5,12 @@
 tokens each row emitted; `release(row)` frees a row. Sampling parameters are per-row arrays of the loop
 state, so rows that sample differently (or greedily) run in the same compiled programs. The programs
 are compiled once when the engine is built (`Decoder.compile`) and reused whatever the rows hold: a row's
-tokens never depend on the others (exact mode), so admitting a sequence mid-run gives the tokens it would
+tokens never depend on the others (exact mode: batch-invariant steps), so admitting a sequence mid-run gives the tokens it would
 give alone.
 
 Step k + 1 is queued before step k is read back, so the device never waits for the host; a row released
-after step k has had step k + 1 run for nothing. Fast speculative decoding reads each step back at once
-instead: its next program width is the proposer's widths over the running rows.
+after step k has had step k + 1 run for nothing. Speculative decoding reads each step back at once instead:
+its next program width is the widest of the proposer's widths over the running rows.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class Engine:
         self._lengths = np.zeros(decoder.batch, np.int64)  # committed tokens per row, as last read back
         self._mask = np.zeros(decoder.batch, bool)  # the active mask the loop state holds
         self._in_flight: _InFlight | None = None
-        self._queue_ahead = not (decoder.verify == "fast" and decoder.proposer is not None)
+        self._queue_ahead = decoder.proposer is None  # a speculative step's width is read back first
 
     @property
     def free_rows(self) -> list[int]:
@@ -132,7 +132,9 @@ class Engine:
         queued = self._dispatch() if self._running else None
         if self._queue_ahead:
             queued, self._in_flight = self._in_flight, queued
-        emitted.update(self._read(queued))
+        for row, out in self._read(queued).items():  # a row prefilled in this call emitted its first token before
+            first = emitted.get(row)
+            emitted[row] = out if first is None else dataclasses.replace(out, tokens=first.tokens + out.tokens)
         return emitted
 
     def _dispatch(self) -> _InFlight:
@@ -143,7 +145,7 @@ class Engine:
             self.loop = self.loop.replace(active=jnp.asarray(running))
         ahead = self._in_flight.width if self._in_flight is not None else 0
         self.loop, outcome, widths = self.decoder.step(self.loop, running, self._lengths + ahead)
-        return _InFlight(outcome, widths, dict(self._running), self.decoder.exact_width)
+        return _InFlight(outcome, widths, dict(self._running), max(self.decoder.widths))
 
     def _read(self, queued: _InFlight | None) -> dict[int, Emitted]:
         if queued is None:

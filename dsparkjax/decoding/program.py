@@ -144,7 +144,8 @@ def prefill_program(cfg: TargetConfig, options: StepOptions) -> AotFunction:
                             ewma=jnp.where(ends, ewma_init, loop.ewma))
         return loop, rows, logits, first
 
-    return AotFunction(program, donate_argnames=("loop",), static_argnames=("sample",))
+    return AotFunction(program, donate_argnames=("loop",), static_argnames=("sample",),
+                       compiler_options=options.policy.compiler_options)
 
 
 @functools.lru_cache(maxsize=None)
@@ -181,11 +182,13 @@ def decode_program(cfg: TargetConfig, options: StepOptions) -> AotFunction:
         return loop, rows, outcome
 
     return AotFunction(program, donate_argnames=("loop",),
-                       static_argnames=("width", "ewma_decay", "sample", "lossless"))
+                       static_argnames=("width", "ewma_decay", "sample", "lossless"),
+                       compiler_options=options.policy.compiler_options)
 
 
 @functools.lru_cache(maxsize=None)
 def step_program(cfg: TargetConfig, options: StepOptions) -> AotFunction:
     """The bare target step `step(params, state, tokens) -> (logits, features, state)`, one executable per
     width, with the state donated: the building block the programs above wrap, for tests and benchmarks."""
-    return AotFunction(TargetModel(cfg, options).step, donate_argnums=(1,))
+    return AotFunction(TargetModel(cfg, options).step, donate_argnums=(1,),
+                       compiler_options=options.policy.compiler_options)

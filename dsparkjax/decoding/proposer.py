@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from dsparkjax.aot import AotFunction
 from dsparkjax.config import DrafterConfig
 from dsparkjax.decoding.sampling import RowSampling
+from dsparkjax.decoding.width import thresholds_from_metadata
 from dsparkjax.ggufio.contract import open_drafter
 from dsparkjax.kernels.policy import KernelPolicy
 from dsparkjax.model.drafter import DrafterModel, DrafterState, init_drafter_state
@@ -32,6 +33,7 @@ class Proposer(Protocol):
     block_size: int  # candidates per proposal
     capture_layers: tuple[int, ...]  # target layers whose features it reads
     has_confidence: bool  # whether confidences are meaningful (else the width policy uses the EWMA)
+    width_thresholds: tuple[float, ...] | None  # survival thresholds fitted for it (width.py), or None
 
     def init_state(self, batch: int, max_step: int) -> Any:
         """Empty proposer state for `batch` sequences and absorbed steps of up to `max_step` rows."""
@@ -58,8 +60,10 @@ class Proposer(Protocol):
 def _compiled(cfg: DrafterConfig, simulate_qat: bool, policy: KernelPolicy
               ) -> tuple[AotFunction, AotFunction, AotFunction]:
     model = DrafterModel(cfg, simulate_qat, policy)
-    return (AotFunction(model.absorb, donate_argnums=(1,)), AotFunction(model.propose),
-            AotFunction(model.propose_sampled, static_argnums=(7,)))
+    xla = policy.compiler_options
+    return (AotFunction(model.absorb, donate_argnums=(1,), compiler_options=xla),
+            AotFunction(model.propose, compiler_options=xla),
+            AotFunction(model.propose_sampled, static_argnums=(7,), compiler_options=xla))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +74,7 @@ class Drafter:
     config: DrafterConfig
     params: DrafterParams
     target: Target
+    width_thresholds: tuple[float, ...] | None = None  # fitted on its pair (`SURVIVAL_THRESHOLDS_KEY`), if any
 
     @property
     def block_size(self) -> int:
@@ -119,9 +124,10 @@ class Drafter:
 
 def load_drafter(path: str, target: Target, *, progress: bool = False) -> Drafter:
     """Open a `deepseek4-dflash-draft` GGUF, check its contract and its fit to `target`, load its weights
-    (streamed to the device as the target's, `load_target`)."""
+    (streamed to the device as the target's, `load_target`) and the width thresholds fitted for it, if any."""
     file, cfg = open_drafter(path, target.config)
+    thresholds = thresholds_from_metadata(file.metadata, cfg.block_size, file.path)
     pack = None if target.kernels == "dequantize" else target.kernels
     params = load_streamed(file, lambda source: load_drafter_params(source, cfg, jnp.dtype(target.dtype), pack),
                            progress=progress)
-    return Drafter(file.path, cfg, params, target)
+    return Drafter(file.path, cfg, params, target, thresholds)

@@ -205,6 +205,8 @@ class GGUFFile:
         self.metadata: dict[str, Any] = {
             key: _contents(self.path, key, field) for key, field in reader.fields.items() if not key.startswith("GGUF.")
         }
+        # Each key's value type (an array's item type), so that a copy of the file can keep them.
+        self.value_types: dict[str, GGUFValueType] = {key: reader.fields[key].types[-1] for key in self.metadata}
         self.tensors: dict[str, TensorInfo] = reader.tensor_infos
 
     @property

@@ -3,6 +3,7 @@
 Parameters are given as `{gguf tensor name: float32 array in numpy (PyTorch) shape}` (int32 for
 `tid2eid`). A recipe maps each tensor family of `contract.FAMILY_TYPES` to a ggml type:
 - `f32`: everything float32 (tests, exact references);
+- `f16`: every matrix F16, norms, sinks and biases F32, tid2eid I32 (small trained models: half of f32);
 - `published`: the antirez/ds4 IQ2XXS-w2Q2K-AProjQ8-SExpQ8-OutQ8 layout (routed gate/up IQ2_XXS, down Q2_K;
   attention, shared experts, output Q8_0; embeddings, HC, compressor, indexer, router F16; norms, sinks,
   biases F32; tid2eid I32), applied to the drafter likewise;
@@ -28,6 +29,7 @@ from dsparkjax.config import DRAFTER_ARCH, TARGET_ARCH, DrafterConfig, TargetCon
 from dsparkjax.errors import DsparkError, FormatError
 from dsparkjax.formats import GGMLType as T
 from dsparkjax.ggufio.contract import TensorSpec, drafter_tensor_specs, target_tensor_specs
+from dsparkjax.ggufio.reader import GGUFFile
 
 _PUBLISHED: dict[str, int] = {
     "embedding": T.F16, "output": T.Q8_0, "attention": T.Q8_0, "shared_expert": T.Q8_0,
@@ -36,14 +38,16 @@ _PUBLISHED: dict[str, int] = {
 }
 _ROCMFPX_DRAFTER_DENSE = {**_PUBLISHED, "attention": T.F16, "shared_expert": T.F16, "draft_fc": T.F16}
 
-RECIPES = ("f32", "published", "q4k_experts", "rocmfpx")
+RECIPES = ("f32", "f16", "published", "q4k_experts", "rocmfpx")
 QUANT_RECIPE_KEY = "dsparkjax.quant_recipe"  # informational; the types per family are the truth
 
 
 def recipe_type(recipe: str, spec: TensorSpec, *, drafter: bool) -> int:
     """The ggml type `recipe` gives to the tensor of `spec`."""
-    if recipe == "f32":
-        return T.I32 if spec.family == "hash_table" else T.F32
+    if recipe in ("f32", "f16"):
+        if spec.family in ("hash_table", "vector"):
+            return T.I32 if spec.family == "hash_table" else T.F32
+        return T.F32 if recipe == "f32" else T.F16
     if recipe == "published":
         if spec.family == "routed_expert":
             return T.Q2_K if "ffn_down" in spec.name else T.IQ2_XXS
@@ -114,6 +118,21 @@ def write_raw_gguf(path: str | os.PathLike[str], arch: str, metadata: Iterable[t
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def copy_with_metadata(src: str | os.PathLike[str], dst: str | os.PathLike[str],
+                       metadata: Mapping[str, tuple[Any, GGUFValueType]]) -> None:
+    """Copy the GGUF `src` to `dst` (they may be one path) with its tensors' bytes as they are and its metadata
+    updated by `metadata` ({key: (value, value type; an array's item type)}): how a fitted calibration is
+    added to a drafter file without re-encoding its weights."""
+    file = GGUFFile(src)
+    items = {key: (value, file.value_types[key]) for key, value in file.metadata.items()}
+    items.update(metadata)
+    tensors = [RawTensor(name, info.ggml_type, info.shape, file.raw(name).reshape(-1)) for name, info in
+               file.tensors.items()]
+    temporary = f"{os.fspath(dst)}.partial"
+    write_raw_gguf(temporary, file.architecture, [(k, v, t) for k, (v, t) in items.items()], tensors)
+    os.replace(temporary, dst)
 
 
 def write_model_gguf(path: str | os.PathLike[str], cfg: TargetConfig | DrafterConfig,

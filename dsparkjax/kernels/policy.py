@@ -36,6 +36,10 @@ class KernelPolicy:
     mma: the GPU's tensor-core kernel for calls of several tokens: "auto" where it is faster (custom_calls/
       tuning.h), "off" never (the matvec), "force" every call it can take (the tests' route onto small shapes).
       The results are the same bits in every mode.
+    invariant: every row of a step is computed in an order that does not depend on the other rows or on their
+      number (issue 42): dense matrices, sums and attention products go through the row-invariant custom calls
+      (`kernels/rowwise.py`, `model/reduce.py`), packed ones never take the dense copy, and the HC mixes and
+      the indexer run on their custom calls. Needs the FFI plugin; not differentiable.
     """
 
     hc_backend: Literal["ffi"] | None = None
@@ -44,17 +48,29 @@ class KernelPolicy:
     gemm_min_rows_large: int = 32  # DS4's large projections and head: the copy wins from 32 rows in its step
     large_weight_bytes: int = 16 << 20
     mma: MmaMode = "auto"
+    invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.hc_backend not in (None, "ffi"):
             raise DsparkError(f"KernelPolicy.hc_backend must be None or 'ffi', got {self.hc_backend!r}")
         if self.indexer_backend not in ("reference", "ffi"):
             raise DsparkError(f"KernelPolicy.indexer_backend must be 'reference' or 'ffi', got {self.indexer_backend!r}")
+        if self.invariant and (self.hc_backend != "ffi" or self.indexer_backend != "ffi"):
+            raise DsparkError("KernelPolicy.invariant needs hc_backend='ffi' and indexer_backend='ffi'")
         if self.mma not in MMA_CODES:
             raise DsparkError(f"KernelPolicy.mma must be one of {sorted(MMA_CODES)}, got {self.mma!r}")
         for name in ("gemm_min_rows", "gemm_min_rows_large", "large_weight_bytes"):
             if getattr(self, name) < 0:
                 raise DsparkError(f"KernelPolicy.{name} must be >= 0, got {getattr(self, name)}")
+
+    @property
+    def compiler_options(self) -> dict[str, str] | None:
+        """XLA options of the programs traced under this policy: an invariant one turns off the CPU's library
+        fusions (YNNPACK, XNNPACK, oneDNN), which take elementwise and reduction fusions from a size on and
+        compute exp & co. with their own kernels, so a row's bits would change with the row count."""
+        if not self.invariant:
+            return None
+        return {f"xla_cpu_experimental_{lib}_fusion_type": "" for lib in ("ynn", "xnn", "onednn")}
 
     @property
     def mma_code(self) -> int:

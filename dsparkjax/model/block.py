@@ -13,6 +13,7 @@ from typing import Any, Callable, TypeVar
 import jax
 import jax.numpy as jnp
 
+from dsparkjax.model import reduce
 from dsparkjax.model.hc import hc_post, hc_pre
 from dsparkjax.model.layers import apply_rope, fp8_kv_sim, grouped_output, rms_norm, sink_attention, swiglu
 from dsparkjax.model.params import Attention, Block, HyperConnection, MoE
@@ -120,17 +121,22 @@ def attend(heads: jax.Array, key_sets: list[tuple[jax.Array, jax.Array]], sinks:
     Returns:
       float32 `[B, Q, H, d]`.
     """
-    hi = jax.lax.Precision.HIGHEST
-    shared = "bqhd,bkd->bqhk", "bqhk,bkd->bqhd"
-    per_row = "bqhd,bqkd->bqhk", "bqhk,bqkd->bqhd"
-    specs = [shared if keys.ndim == 3 else per_row for keys, _ in key_sets]
-    scores = [jnp.einsum(spec[0], heads, keys, precision=hi) * scale for spec, (keys, _) in zip(specs, key_sets)]
+    b, q, h, d = heads.shape
+
+    def per_group(x: jax.Array, keys: jax.Array) -> jax.Array:
+        """x `[B, Q, H, ·]` against keys shared by a sequence's rows `[B, N, ·]` or per row `[B, Q, N, ·]`."""
+        if keys.ndim == 3:
+            return reduce.grouped_contract(x.reshape(b, q * h, -1), keys).reshape(b, q, h, -1)
+        return reduce.grouped_contract(x.reshape(b * q, h, -1), keys.reshape(b * q, *keys.shape[2:])
+                                       ).reshape(b, q, h, -1)
+
+    scores = [per_group(heads, keys) * scale for keys, _ in key_sets]
     valid = jnp.concatenate([v[:, :, None, :] for _, v in key_sets], axis=-1)
     probs = sink_attention(jnp.concatenate(scores, axis=-1), sinks, valid)
     out, start = None, 0
-    for spec, (keys, _) in zip(specs, key_sets):
+    for keys, _ in key_sets:
         width = keys.shape[-2]
-        part = jnp.einsum(spec[1], probs[..., start : start + width], keys, precision=hi)
+        part = per_group(probs[..., start : start + width], jnp.swapaxes(keys, -1, -2))
         out, start = part if out is None else out + part, start + width
     return out
 
@@ -145,7 +151,6 @@ def moe_output(mo: MoE, x: jax.Array, ids: jax.Array, weights: jax.Array, limit:
       float32 `[..., D]`.
     """
     hidden = swiglu(*expert_linear_rows(x, mo.gate_up, ids), limit)
-    routed = jnp.einsum("...k,...kd->...d", weights, expert_linear(hidden, mo.down, ids),
-                        precision=jax.lax.Precision.HIGHEST)
+    routed = reduce.total(weights[..., :, None] * expert_linear(hidden, mo.down, ids), axis=-2)
     shared_hidden = swiglu(*linear_rows(x, mo.shared_gate_up), shared_limit)
     return routed + linear(shared_hidden, mo.shared_down)

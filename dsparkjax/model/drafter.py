@@ -26,7 +26,7 @@ from dsparkjax.decoding import sampling
 from dsparkjax.decoding.sampling import RowSampling
 from dsparkjax.errors import CapacityError
 from dsparkjax.kernels.policy import KernelPolicy, routed
-from dsparkjax.model import ring
+from dsparkjax.model import reduce, ring
 from dsparkjax.model.block import attend, attention_output, block_forward, kv_rows, moe_output, query_heads
 from dsparkjax.model.hc import hc_head
 from dsparkjax.model.layers import rms_norm, rope_frequencies, route
@@ -156,8 +156,7 @@ class DrafterModel:
         features = hidden
         if params.confidence_w.shape[0] != features.shape[-1]:
             features = jnp.concatenate([features, prev_embed], axis=-1)
-        score = jnp.einsum("...k,k->...", features, params.confidence_w.astype(jnp.float32),
-                           precision=jax.lax.Precision.HIGHEST)
+        score = reduce.total(features * params.confidence_w.astype(jnp.float32), axis=-1)
         return score if params.confidence_b is None else score + params.confidence_b
 
     def block_hidden(self, params: DrafterParams, embed: jax.Array, state: DrafterState, seeds: jax.Array,

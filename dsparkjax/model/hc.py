@@ -9,10 +9,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dsparkjax.model import reduce
+
 
 def _rms_scale(flat: jax.Array, eps: float) -> jax.Array:
     """1/rms of the last axis: `(mean(x²) + eps)^(-1/2)`, float32, keepdims."""
-    return jax.lax.rsqrt(jnp.mean(jnp.square(flat), axis=-1, keepdims=True) + eps)
+    return jax.lax.rsqrt(reduce.mean(jnp.square(flat), axis=-1, keepdims=True) + eps)
 
 
 def hc_mix(streams: jax.Array, fn: jax.Array, *, norm_eps: float) -> jax.Array:
@@ -25,7 +27,7 @@ def hc_mix(streams: jax.Array, fn: jax.Array, *, norm_eps: float) -> jax.Array:
       float32 `[..., M]`.
     """
     flat = streams.reshape(*streams.shape[:-2], -1).astype(jnp.float32)
-    mix = jnp.einsum("...k,mk->...m", flat, fn.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    mix = reduce.contract(flat, fn)
     return mix * _rms_scale(flat, norm_eps)
 
 
@@ -102,4 +104,4 @@ def hc_head(
     """
     mix = hc_mix(streams, fn, norm_eps=norm_eps)
     pre = jax.nn.sigmoid(mix * scale.astype(jnp.float32)[0] + base.astype(jnp.float32)) + hc_eps
-    return jnp.einsum("...j,...jd->...d", pre, streams.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    return reduce.total(pre[..., :, None] * streams.astype(jnp.float32), axis=-2)

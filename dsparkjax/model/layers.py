@@ -14,13 +14,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dsparkjax.model import reduce
 from dsparkjax.model.weights import Weight, linear
 
 
 def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Array:
     """`w ⊙ x·(mean(x²)+eps)^(-1/2)` over the last axis, in float32 (weight None = unweighted)."""
     x = x.astype(jnp.float32)
-    y = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps)
+    y = x * jax.lax.rsqrt(reduce.mean(jnp.square(x), axis=-1, keepdims=True) + eps)
     return y if weight is None else y * weight.astype(jnp.float32)
 
 
@@ -118,8 +119,7 @@ def fp4_block_round(x: jax.Array, block: int = 32) -> jax.Array:
 def fp4_indexer_sim(x: jax.Array) -> jax.Array:
     """Hadamard rotation of the last axis (`H/sqrt(n)`), then `fp4_block_round`."""
     n = x.shape[-1]
-    rotated = jnp.einsum("...i,ij->...j", x.astype(jnp.float32), jnp.asarray(hadamard_matrix(n), jnp.float32),
-                         precision=jax.lax.Precision.HIGHEST)
+    rotated = reduce.contract(x, jnp.asarray(hadamard_matrix(n), jnp.float32))  # symmetric: H·x = Hᵀ·x
     return fp4_block_round(rotated)
 
 
@@ -142,7 +142,7 @@ def sink_attention(scores: jax.Array, sinks: jax.Array | None, valid: jax.Array)
         top = jnp.maximum(top, sinks.astype(jnp.float32)[:, None])
     top = jnp.where(jnp.isfinite(top), top, 0.0)
     weights = jnp.where(valid, jnp.exp(scores - top), 0.0)
-    denom = jnp.sum(weights, axis=-1, keepdims=True)
+    denom = reduce.total(weights, axis=-1, keepdims=True)
     if sinks is not None:
         denom = denom + jnp.exp(sinks.astype(jnp.float32)[:, None] - top)
     return weights / denom
@@ -179,8 +179,7 @@ def route(x: jax.Array, router: jax.Array, bias: jax.Array | None, hashed_ids: j
     Returns:
       (expert ids int32 `[..., k]`, weights float32 `[..., k]`).
     """
-    logits = jnp.einsum("...d,ed->...e", x.astype(jnp.float32), router.astype(jnp.float32),
-                        precision=jax.lax.Precision.HIGHEST)
+    logits = reduce.contract(x, router)
     scores = jnp.sqrt(jax.nn.softplus(logits))
     if hashed_ids is None:
         choice = scores if bias is None else scores + bias.astype(jnp.float32)
@@ -188,7 +187,7 @@ def route(x: jax.Array, router: jax.Array, bias: jax.Array | None, hashed_ids: j
     else:
         ids = hashed_ids
     picked = jnp.take_along_axis(scores, ids, axis=-1)
-    return ids.astype(jnp.int32), picked / jnp.sum(picked, axis=-1, keepdims=True) * scale
+    return ids.astype(jnp.int32), picked / reduce.total(picked, axis=-1, keepdims=True) * scale
 
 
 def swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:

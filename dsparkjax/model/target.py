@@ -28,7 +28,7 @@ from dsparkjax.model.block import (
 from dsparkjax.model.hc import hc_head
 from dsparkjax.model.layers import apply_rope, fp4_indexer_sim, rms_norm, rope_frequencies, route
 from dsparkjax.model.params import Block, Compressor, Indexer, MoE, TargetParams
-from dsparkjax.model import ring
+from dsparkjax.model import reduce, ring
 from dsparkjax.model.state import DecodeState, LayerCache
 from dsparkjax.model.weights import linear
 
@@ -74,7 +74,7 @@ def compress(cp: Compressor, x: jax.Array, positions: jax.Array, ring_rows: jax.
         rows = jnp.concatenate([rows[:, :, :ratio, :, :width], rows[:, :, ratio:, :, width:]], axis=2)
     values, scores = rows[..., 0, :], rows[..., 1, :]
     scores = jnp.where(window_pos[..., None] >= 0, scores, -jnp.inf)
-    pooled = jnp.sum(jax.nn.softmax(scores, axis=2) * values, axis=2)
+    pooled = reduce.total(reduce.softmax(scores, axis=2) * values, axis=2)
     boundary = (positions + 1) % ratio == 0
     index = jnp.where(boundary, (positions + 1) // ratio - 1, -1)
     return ring_rows, rms_norm(pooled, cp.norm, eps), index
@@ -191,11 +191,11 @@ class TargetModel:
         caches = []
         for layer, (blk, cache) in enumerate(zip(params.blocks, state.layers)):
             if opts.capture_point == "entering" and layer in opts.capture_layers:
-                captured[layer] = jnp.mean(streams, axis=2)
+                captured[layer] = reduce.mean(streams, axis=2)
             streams, cache = self.block(layer, blk, streams, tokens, positions, cache)
             caches.append(cache)
             if opts.capture_point == "after" and layer in opts.capture_layers:
-                captured[layer] = jnp.mean(streams, axis=2)
+                captured[layer] = reduce.mean(streams, axis=2)
         collapsed = hc_head(streams, params.hc_head.fn, params.hc_head.base, params.hc_head.scale,
                             hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
         logits = linear(rms_norm(collapsed, params.norm, cfg.rms_norm_eps), params.head)

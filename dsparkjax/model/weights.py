@@ -13,7 +13,8 @@ XLA's GEMM, which reads the weight a few times per call (the dequantization, the
 tile of tokens. Expert stacks keep the kernel, which serves each expert only
 the tokens that chose it. The row thresholds and the GPU's tensor-core mode come from the KernelPolicy the
 step traces under (`dsparkjax.kernels.policy`, part of its jit key). The row count is a static shape, so a
-program takes one route for all its steps (exact speculative decoding runs one program).
+program takes one route for all its steps. Under an invariant policy (exact decoding) there is no dense copy,
+and dense weights multiply on the packed kernels too, as their own bytes (`kernels/rowwise.py`).
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ class RowBlocks:
     allow, so that each stacked part is one matmul: one kernel launch and one staging of the activations
     instead of one per matrix (docs/kernels.md#tuning-stacked-matrices). The packed kernels compute each row in an order of its own, so there a stacked matrix's
     outputs are its own call's bits; XLA's dots (dense weights, the jnp reference, the dense-copy route) may
-    round the wider product differently. Exact decoding does not mind: every program multiplies the same
-    stacked weights.
+    round the wider product differently. Exact decoding does not mind: its invariant steps multiply every
+    weight, dense or packed, on the kernels.
 
     parts[i] holds the matrices of out-sizes sizes[i], in order, along its out axis (`[..., out, in]`).
     """
@@ -67,7 +68,7 @@ ALL_EXPERTS_MAX_RATIO = 4
 def takes_dense_copy(w: PackedWeight, rows: int) -> bool:
     """Whether a call of `rows` rows multiplies w through its dense copy, by the active KernelPolicy's thresholds."""
     policy = kernel_policy.active()
-    if w.backend != "ffi" or policy.gemm_min_rows <= 0:
+    if w.backend != "ffi" or policy.gemm_min_rows <= 0 or policy.invariant:
         return False
     return rows >= policy.gemm_min_rows or (
         rows >= policy.gemm_min_rows_large and w.data.size >= policy.large_weight_bytes)
@@ -116,11 +117,26 @@ def linear(x: jax.Array, w: Weight, *, groups: int | None = None) -> jax.Array:
         if not takes_dense_copy(w, x.size // (x.shape[-1] * (groups or 1))):
             return _packed_linear(x, w) if groups is None else _packed_grouped_linear(x, w, groups)
         w = dense_copy(w)
+    if kernel_policy.active().invariant:
+        return _invariant_linear(x, w, groups)
     x = x.astype(w.dtype)
     if groups is None:
         return jnp.einsum("...k,nk->...n", x, w, precision=_precision(w), preferred_element_type=jnp.float32)
     w = w.reshape(groups, -1, w.shape[-1])
     return jnp.einsum("...gk,grk->...gr", x, w, precision=_precision(w), preferred_element_type=jnp.float32)
+
+
+def _invariant_linear(x: jax.Array, w: jax.Array, groups: int | None) -> jax.Array:
+    """`linear` of a dense w on the row-invariant custom calls (its bytes as packed F32/BF16/F16 rows)."""
+    from dsparkjax.kernels import rowwise
+
+    mma = kernel_policy.active().mma_code
+    if groups is None:
+        return rowwise.matmul(x, w, mma)
+    lead = x.shape[:-2]
+    ids = jnp.tile(jnp.arange(groups, dtype=jnp.int32), x.size // (x.shape[-1] * groups))[:, None]
+    y = rowwise.matmul_id(x.reshape(-1, x.shape[-1]), w.reshape(groups, -1, w.shape[-1]), ids)
+    return y.reshape(*lead, groups, -1)
 
 
 def expert_linear(x: jax.Array, w: Weight, ids: jax.Array) -> jax.Array:
@@ -146,6 +162,13 @@ def expert_linear(x: jax.Array, w: Weight, ids: jax.Array) -> jax.Array:
         else:
             flat, flat_ids = x.reshape(-1, x.shape[-1]), ids.reshape(-1, k)
         y = kernels.qmatmul_id(flat.astype(w.dtype), w.data, flat_ids, w.ggml_type, backend=w.backend)
+        return y.reshape(*ids.shape, y.shape[-1])
+    if kernel_policy.active().invariant:
+        from dsparkjax.kernels import rowwise
+
+        k = ids.shape[-1]
+        flat_ids = ids.reshape(-1, 1) if per_expert else ids.reshape(-1, k)
+        y = rowwise.matmul_id(x.reshape(-1, x.shape[-1]), w, flat_ids)
         return y.reshape(*ids.shape, y.shape[-1])
     x = x.astype(w.dtype)
     if w.shape[0] <= ALL_EXPERTS_MAX_RATIO * ids.shape[-1]:  # few experts: no per-row weight copies (training)

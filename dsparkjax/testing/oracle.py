@@ -33,6 +33,7 @@ class OracleProposer:
     block_size: int = 5
     capture_layers: tuple[int, ...] = ()
     has_confidence: bool = True
+    width_thresholds: tuple[float, ...] | None = None
     bad_id: int | None = None
 
     def init_state(self, batch: int, max_step: int) -> Any:

@@ -1,0 +1,77 @@
+"""Row-invariant products and sums on the packed matmul custom calls.
+
+XLA's own dots and reductions may change a row's bits with the number of rows of the call (exactness.md §1).
+The packed matmul custom calls compute every output with an accumulation order fixed by K alone
+(custom_calls/cpu_ffi.cc: 8 lanes and a fixed tree; the CUDA float path likewise per row), and they read dense
+float rows as the pseudo-formats F32/F16/BF16. So every contraction of a decode step goes through them here:
+
+- a dense matrix is passed as its own bytes (`packed_dense`), no conversion;
+- a sum over an axis is a product with a row of ones (`row_sum`: 1·x is exact, so only the order rounds);
+- products whose "weights" differ per sequence or per row (attention keys) are the MoE call, each row
+  choosing the matrix of its group (`grouped_rows`).
+
+K is padded with zeros to the pseudo-formats' block of 8 (adding 0·x changes nothing). Everything here is
+float32 out and needs the FFI plugin; `dsparkjax/model/reduce.py` picks these or plain jnp per policy.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsparkjax.errors import DsparkError
+from dsparkjax.formats.types import GGMLType
+from dsparkjax.kernels import ffi
+
+BLOCK = 8  # the dense pseudo-formats' block: K must be a multiple of it
+DENSE_TYPES = {jnp.dtype(jnp.float32): int(GGMLType.F32), jnp.dtype(jnp.float16): int(GGMLType.F16),
+               jnp.dtype(jnp.bfloat16): int(GGMLType.BF16)}
+
+
+def _padded(x: jax.Array) -> jax.Array:
+    """x with its last axis zero-padded to a multiple of BLOCK."""
+    pad = -x.shape[-1] % BLOCK
+    return x if pad == 0 else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
+
+
+def packed_dense(w: jax.Array) -> tuple[jax.Array, int]:
+    """A dense float matrix `[..., N, K]` (K padded to BLOCK) as packed rows: (uint8 `[..., N, K·itemsize]`,
+    its ggml type)."""
+    dtype = jnp.dtype(w.dtype)
+    if dtype not in DENSE_TYPES:
+        raise DsparkError(f"row-invariant products take float32, float16 or bfloat16 matrices, got {dtype}")
+    w = _padded(w)
+    raw = jax.lax.bitcast_convert_type(w, jnp.uint8)  # [..., N, K, itemsize], little-endian as the kernels read
+    return raw.reshape(*w.shape[:-1], -1), DENSE_TYPES[dtype]
+
+
+def matmul(x: jax.Array, w: jax.Array, mma: int = 1) -> jax.Array:
+    """`x·wᵀ`: x `[..., K]` (cast to w's dtype), w dense `[N, K]` -> float32 `[..., N]`."""
+    packed, ggml_type = packed_dense(w)
+    flat = _padded(x.reshape(-1, x.shape[-1]).astype(w.dtype))
+    y = ffi.qmatmul(flat, packed, ggml_type, mma)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def matmul_id(x: jax.Array, w: jax.Array, ids: jax.Array) -> jax.Array:
+    """`y[t, j] = x[t]·w[ids[t, j]]ᵀ`: x `[T, K]` (cast to w's dtype), w dense `[E, N, K]`, ids int32 `[T, k]`
+    -> float32 `[T, k, N]`."""
+    packed, ggml_type = packed_dense(w)
+    return ffi.qmatmul_id(_padded(x.astype(w.dtype)), packed, ids.astype(jnp.int32), ggml_type, 0, 1)
+
+
+def grouped_rows(x: jax.Array, w: jax.Array) -> jax.Array:
+    """Per-group products `y[g, m] = x[g, m]·w[g]ᵀ`: x `[G, M, K]`, w `[G, N, K]` -> float32 `[G, M, N]`.
+
+    One MoE call in which every row of group g picks matrix g, so no row's order depends on G or M.
+    """
+    g, m, k = x.shape
+    ids = jnp.repeat(jnp.arange(g, dtype=jnp.int32), m)[:, None]
+    return matmul_id(x.reshape(g * m, k), w, ids).reshape(g, m, -1)
+
+
+def row_sum(x: jax.Array) -> jax.Array:
+    """Σ over the last axis of float x `[..., K]` in a fixed order -> float32 `[...]`."""
+    ones = jnp.asarray(np.ones((1, x.shape[-1]), np.float32))
+    return matmul(x.astype(jnp.float32), ones)[..., 0]

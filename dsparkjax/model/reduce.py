@@ -1,0 +1,61 @@
+"""The model's contractions and sums, in a batch-invariant order when the traced policy asks for it.
+
+Under `KernelPolicy.invariant` every sum and product over a feature, key or expert axis goes through the
+row-invariant custom calls (`dsparkjax.kernels.rowwise`), so a row's bits do not depend on how many rows
+share the step (issue 42); otherwise they are plain jnp (XLA picks the order; differentiable, for training).
+Maxima, top-k and elementwise ops need no care: they are exact per element.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dsparkjax.kernels import policy as kernel_policy
+
+
+def invariant() -> bool:
+    """Whether the current trace computes every row in a batch-invariant order."""
+    return kernel_policy.active().invariant
+
+
+def total(x: jax.Array, axis: int = -1, keepdims: bool = False) -> jax.Array:
+    """Σ of x over `axis`, float32."""
+    if not invariant():
+        return jnp.sum(x.astype(jnp.float32), axis=axis, keepdims=keepdims)
+    from dsparkjax.kernels import rowwise
+
+    s = rowwise.row_sum(jnp.moveaxis(x, axis, -1))
+    return jnp.expand_dims(s, axis) if keepdims else s
+
+
+def mean(x: jax.Array, axis: int = -1, keepdims: bool = False) -> jax.Array:
+    """The mean of x over `axis`, float32."""
+    return total(x, axis, keepdims) / x.shape[axis]
+
+
+def softmax(x: jax.Array, axis: int = -1) -> jax.Array:
+    """Softmax over `axis`, float32 (−inf entries get 0; a row of only −inf gives NaN, as jax.nn.softmax)."""
+    x = x.astype(jnp.float32)
+    e = jnp.exp(x - jax.lax.stop_gradient(jnp.max(x, axis=axis, keepdims=True)))
+    return e / total(e, axis, keepdims=True)
+
+
+def contract(x: jax.Array, w: jax.Array) -> jax.Array:
+    """`x·wᵀ` in float32 at full precision: x `[..., K]`, w dense `[N, K]` -> `[..., N]`."""
+    if not invariant():
+        return jnp.einsum("...k,nk->...n", x.astype(jnp.float32), w.astype(jnp.float32),
+                          precision=jax.lax.Precision.HIGHEST)
+    from dsparkjax.kernels import rowwise
+
+    return rowwise.matmul(x.astype(jnp.float32), w.astype(jnp.float32))
+
+
+def grouped_contract(x: jax.Array, w: jax.Array) -> jax.Array:
+    """Per-group `y[g, m] = x[g, m]·w[g]ᵀ` in float32: x `[G, M, K]`, w `[G, N, K]` -> `[G, M, N]`."""
+    if not invariant():
+        return jnp.einsum("gmk,gnk->gmn", x.astype(jnp.float32), w.astype(jnp.float32),
+                          precision=jax.lax.Precision.HIGHEST)
+    from dsparkjax.kernels import rowwise
+
+    return rowwise.grouped_rows(x.astype(jnp.float32), w.astype(jnp.float32))
