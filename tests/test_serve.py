@@ -1,13 +1,14 @@
 """The OpenAI-compatible server, driven by the real `openai` client over localhost.
 
 One server for the module, in this process (uvicorn on a thread, on a free port), serving the embedded pair
-with 8 rows, so that 32 clients make requests join and leave rows mid-run. Every greedy answer is compared
-with `generate` on its prompt alone; the load test reports aggregate tok/s and TTFT (docs/serving.md).
+with 8 rows, so that 32 clients make requests join and leave rows mid-run. Every answer (greedy, or sampled
+with a seed) is compared with `generate` on its prompt alone; the load test reports aggregate tok/s and TTFT (docs/serving.md).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import http.client
 import json
@@ -27,11 +28,13 @@ import jax  # noqa: E402
 from dsparkjax import chat  # noqa: E402
 from dsparkjax.decoding.generate import generate  # noqa: E402
 from dsparkjax.decoding.proposer import load_drafter  # noqa: E402
+from dsparkjax.decoding.sampling import SamplingParams  # noqa: E402
 from dsparkjax.embedded import embedded_pair  # noqa: E402
 from dsparkjax.serve import EMBEDDED_MODEL  # noqa: E402
 from dsparkjax.serve.app import build_app  # noqa: E402
 from dsparkjax.serve.metrics import Metrics  # noqa: E402
 from dsparkjax.serve.protocol import GenerationRequest, SamplingFields  # noqa: E402
+from dsparkjax.serve.sampling import admission_options  # noqa: E402
 from dsparkjax.serve.scheduler import Job, QueueFull, Scheduler, serving_engine  # noqa: E402
 from dsparkjax.serve.text import TextStream  # noqa: E402
 from dsparkjax.target_api import load_target  # noqa: E402
@@ -105,15 +108,21 @@ class _Served:
         return tuple(self.tokenizer.encode(text, add_bos=True))
 
     @functools.lru_cache(maxsize=None)
-    def _alone(self, ids: tuple[int, ...], new_tokens: int) -> list[int]:
-        return generate(self.target, [list(ids)], drafter=self.drafter, max_new_tokens=new_tokens)[0].token_ids
+    def _alone(self, ids: tuple[int, ...], new_tokens: int, sampling: tuple[float, float, int] | None) -> list[int]:
+        if sampling is None:
+            return generate(self.target, [list(ids)], drafter=self.drafter, max_new_tokens=new_tokens)[0].token_ids
+        # Plain sampling (exact speculative sampling equals it): two programs to compile, not every width's.
+        temperature, top_p, seed = sampling
+        return generate(self.target, [list(ids)], drafter=self.drafter, mode="ar", max_new_tokens=new_tokens,
+                        temperature=temperature, top_p=top_p, seed=seed)[0].token_ids
 
-    def expected(self, ids: tuple[int, ...], max_tokens: int, offline: int = LONGEST) -> tuple[str, str, int]:
-        """(text, finish reason, completion tokens) of `generate` on `ids` alone, stopped at `max_tokens`: cut
-        from one offline run of `offline` tokens per prompt (runs whose prompt and `offline` round to the same
-        state size share compiled programs)."""
+    def expected(self, ids: tuple[int, ...], max_tokens: int, offline: int = LONGEST,
+                 sampling: tuple[float, float, int] | None = None) -> tuple[str, str, int]:
+        """(text, finish reason, completion tokens) of `generate` on `ids` alone (greedy, or plain sampling with
+        (temperature, top_p, seed)), stopped at `max_tokens`: cut from one offline run of `offline` tokens per
+        prompt (runs whose prompt and `offline` round to the same state size share compiled programs)."""
         assert max_tokens <= offline
-        tokens = self._alone(ids, offline)[:max_tokens]
+        tokens = self._alone(ids, offline, sampling)[:max_tokens]
         eos = self.target.config.eos_token_id
         if eos in tokens:
             tokens = tokens[: tokens.index(eos) + 1]
@@ -168,6 +177,34 @@ def test_non_streamed_chat_completion(served):
     text, finish, count = served.expected(ids, 20)
     assert (answer.choices[0].message.content, answer.choices[0].finish_reason) == (text, finish)
     assert answer.usage.completion_tokens == count
+
+
+def test_sampled_requests_with_seeds_equal_generate_alone(served):
+    """Sampled requests running together (and beside a greedy one) each give the text plain sampling gives
+    their prompt alone with the same temperature, top_p and seed: the engine samples per row, and its exact
+    speculative sampling equals plain sampling."""
+    asks = [(PROMPTS[4], 0.7, 1.0, 11), (PROMPTS[5], 1.0, 0.9, 12), (PROMPTS[4], 0.7, 1.0, 13), (PROMPTS[6], 0.0, 1.0, 0)]
+
+    def ask(prompt: str, temperature: float, top_p: float, seed: int) -> str:
+        answer = served.client().completions.create(model=EMBEDDED_MODEL, prompt=prompt, max_tokens=24,
+                                                    temperature=temperature, top_p=top_p, seed=seed)
+        return answer.choices[0].text
+
+    with concurrent.futures.ThreadPoolExecutor(len(asks)) as pool:
+        texts = list(pool.map(lambda a: ask(*a), asks))
+    for (prompt, temperature, top_p, seed), text in zip(asks, texts):
+        sampling = (temperature, top_p, seed) if temperature > 0 else None
+        assert text == served.expected(served.text_ids(prompt), 24, sampling=sampling)[0]
+    assert texts[0] != texts[2]  # another seed, another sample of the same prompt
+
+
+def test_a_sampled_request_without_a_seed_gets_a_fresh_one():
+    fields = SamplingFields(temperature=0.7, top_p=0.9)
+    first, second = admission_options(fields), admission_options(fields)
+    assert first["sampling"] == SamplingParams(temperature=0.7, top_p=0.9)
+    assert first["seed"] != second["seed"] and all(0 <= o["seed"] < 2**32 for o in (first, second))
+    assert admission_options(SamplingFields(temperature=0.7, seed=5))["seed"] == 5
+    assert admission_options(SamplingFields(temperature=0.0, seed=5)) == {}
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -239,10 +276,13 @@ BAD_REQUESTS = [
     (_body(max_tokens=0), 400, "max_tokens"),
     (_body(max_tokens=CONTEXT), 400, "max_tokens"),
     (_body(temperature=-1), 400, "temperature"),
-    (_body(temperature=0.7), 400, "temperature"),  # no per-row sampling in the engine yet
+    (_body(temperature=2.5), 400, "temperature"),
+    (_body(temperature="warm"), 400, "temperature"),
     (_body(top_p=0), 400, "top_p"),
     (_body(top_p="high"), 400, "top_p"),
     (_body(seed=1.5), 400, "seed"),
+    (_body(seed=-1), 400, "seed"),
+    (_body(seed=2**32), 400, "seed"),
     (_body(stop=[1]), 400, "stop"),
     (_body(stop=["a", "b", "c", "d", "e"]), 400, "stop"),
     (_body(stream="yes"), 400, "stream"),

@@ -18,6 +18,7 @@ import uuid
 from typing import Any, Literal
 
 from dsparkjax import chat
+from dsparkjax.decoding.sampling import MAX_SEED
 from dsparkjax.errors import ArgumentError
 from dsparkjax.tokenizer import Tokenizer
 
@@ -168,7 +169,10 @@ def _sampling(body: dict[str, Any]) -> SamplingFields:
     top_p = _optional(body, "top_p", float, 1.0)
     if not 0 < top_p <= 1:
         raise RequestError(f"top_p must be in (0, 1], got {top_p}", param="top_p")
-    return SamplingFields(temperature, top_p, _optional(body, "seed", int, None))
+    seed = _optional(body, "seed", int, None)
+    if seed is not None and not 0 <= seed <= MAX_SEED:
+        raise RequestError(f"seed must be an integer in [0, 2**32), got {seed}", param="seed")
+    return SamplingFields(temperature, top_p, seed)
 
 
 def _optional(body: dict[str, Any], field: str, kind: type, default: Any, param: str | None = None) -> Any:

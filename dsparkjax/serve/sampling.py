@@ -1,26 +1,28 @@
 """The one adapter from a request's sampling fields to the engine's per-row admission options.
 
-The engine samples engine-wide today (`Engine(temperature=...)`) and its speculative verification is greedy
-only, so a server whose rows mix requests can serve greedy requests alone: a request with temperature > 0 gets
-a 400 here rather than silently greedy output. Once the engine takes per-row sampling parameters and seeds in
-`Engine.admit` (issue 43), `admission_options` is the one place that maps these fields onto them.
+The engine samples per row (`Engine.admit(prompt, sampling=SamplingParams(...), seed=...)`, issue 43), so
+requests that sample and requests that decode greedily share its rows and its compiled programs. A sampled
+request's tokens depend on its prompt, its parameters and its seed only, never on the other requests or its
+row, so a request with a seed gets the text `dsparkjax.generate(..., temperature, top_p, seed)` gives on its
+prompt alone. A request without a seed gets a fresh random one, so two such requests sample independently.
 """
 
 from __future__ import annotations
 
+import secrets
 from typing import Any
 
-from dsparkjax.serve.protocol import RequestError, SamplingFields
+from dsparkjax.decoding.sampling import MAX_SEED, SamplingParams
+from dsparkjax.serve.protocol import SamplingFields
 
 
 def admission_options(fields: SamplingFields) -> dict[str, Any]:
-    """Keyword arguments of `Engine.admit` for a request's sampling fields.
+    """Keyword arguments of `Engine.admit` for a request's (validated) sampling fields.
 
-    Greedy requests (temperature 0) need none: top_p and seed do not change a greedy token. Raises a
-    400 RequestError for temperature > 0, which the engine cannot yet sample per row.
+    Greedy requests (temperature 0) need none: top_p and seed do not change a greedy token. A sampled request
+    gets its `sampling` parameters and its `seed` (a fresh one from `secrets` when it sent none).
     """
-    if fields.temperature > 0:
-        raise RequestError(
-            f"temperature {fields.temperature} > 0 is not supported yet: this server's engine decodes greedily "
-            "(per-request sampling needs issue 43); send temperature 0", param="temperature")
-    return {}
+    if fields.temperature == 0:
+        return {}
+    seed = fields.seed if fields.seed is not None else secrets.randbelow(MAX_SEED + 1)
+    return {"sampling": SamplingParams(temperature=fields.temperature, top_p=fields.top_p), "seed": seed}

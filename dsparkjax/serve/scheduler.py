@@ -40,10 +40,11 @@ class QueueFull(DsparkError):
 def serving_engine(target: Target, drafter: Proposer | None, *, max_batch: int, max_context: int,
                    prefill_chunk: int = 16) -> Engine:
     """An exact-mode engine of `max_batch` rows of `max_context` positions (speculative with `drafter`, plain
-    without), compiled, and warmed up by one throwaway sequence so that serving compiles nothing more."""
+    without) whose rows may sample (each with its own parameters and seed, greedy ones alike), compiled, and
+    warmed up by one throwaway sequence so that serving compiles nothing more."""
     decoder = Decoder.for_prompts(target, drafter, speculative=drafter is not None, lengths=[1] * max_batch,
                                   max_new_tokens=1, verify="exact", width="adaptive", prefill_chunk=prefill_chunk,
-                                  sample=False)
+                                  sample=True)
     engine = Engine(dataclasses.replace(decoder, max_len=max_context))
     row = engine.admit([target.config.bos_token_id])
     engine.step()  # prefills the row and queues a decode step
