@@ -29,6 +29,33 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+MAP_HEADROOM = 30000  # memory mappings a test may add before the next would risk vm.max_map_count
+
+
+def _map_count() -> int:
+    """The process's memory mappings (Linux), else 0."""
+    try:
+        with open("/proc/self/maps", "rb") as maps:
+            return sum(1 for _ in maps)
+    except OSError:
+        return 0
+
+
+@pytest.fixture(autouse=True)
+def _release_compiled_programs_near_the_map_limit():
+    """Drop every compiled program after a test that left the process within `MAP_HEADROOM` mappings of the
+    kernel's limit: exact mode compiles one program per width, and one module (test_spec.py) compiled enough
+    of them to crash XLA's CPU compiler mid-module (SIGSEGV at 65530 mappings)."""
+    yield
+    try:
+        with open("/proc/sys/vm/max_map_count") as limit:
+            room = int(limit.read()) - _map_count()
+    except OSError:
+        return
+    if room < MAP_HEADROOM:
+        _clear_compiled_programs()
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
     """Drop every compiled program when a test module ends.
@@ -39,6 +66,10 @@ def _release_compiled_programs():
     (the package's compiled steps, the tests' model helpers), so both are cleared.
     """
     yield
+    _clear_compiled_programs()
+
+
+def _clear_compiled_programs() -> None:
     jax.clear_caches()
     for obj in gc.get_objects():
         if type(obj) is functools._lru_cache_wrapper and getattr(obj, "__module__", "").startswith(

@@ -115,9 +115,14 @@ class Decoder:
 
     @property
     def widths(self) -> tuple[int, ...]:
-        """The decode widths this decoder dispatches: plain decoding's 1; speculative decoding's 1..block + 1,
-        one per proposer width."""
-        return (1,) if self.proposer is None else tuple(range(1, self.block + 2))
+        """The decode widths this decoder dispatches: plain decoding's 1; speculative decoding's 1..max_q, one
+        per proposer width, or a fixed width policy's one width (compiling no program that never runs)."""
+        if self.proposer is None:
+            return (1,)
+        widest = min(self.policy.max_q, self.block + 1)
+        if self.policy.kind == "fixed":
+            return (max(1, min(self.policy.fixed_q, widest)),)
+        return tuple(range(1, widest + 1))
 
     def init(self) -> LoopState:
         """Empty rows: a fresh decode state and proposer state, no sequence active, every row greedy."""
