@@ -65,8 +65,8 @@ class Recorder:
 def run_recorded(target, drafter, prompts: list[list[int]], params: SamplingParams, verify: str, width: int
                  ) -> tuple[list[list[int]], list[tuple[np.ndarray, int]]]:
     """Speculative sampling driven step by step: (tokens per prompt, [(confidences [K], matched)] per
-    sequence-step). Exact and lossless modes queue step k + 1 before reading step k back, so the outcome read
-    at the k-th `step()` call is the (k − 1)-th proposal's."""
+    sequence-step). A speculative engine reads each step back before queueing the next (its width is read
+    back), so the outcome read at the k-th `step()` call is the k-th proposal's."""
     recorder = Recorder(drafter)
     decoder = Decoder.for_prompts(target, recorder, speculative=True, lengths=[len(p) for p in prompts],
                                   max_new_tokens=_MAX_NEW.value, verify=verify, width=width, prefill_chunk=16,
@@ -80,7 +80,7 @@ def run_recorded(target, drafter, prompts: list[list[int]], params: SamplingPara
         for row, out in emitted.items():
             tokens[rows[row]].extend(out.tokens)
             if out.steps:
-                steps.append((np.asarray(recorder.confidences[calls - 2])[row], out.matched))
+                steps.append((np.asarray(recorder.confidences[calls - 1])[row], out.matched))
             if len(tokens[rows[row]]) >= _MAX_NEW.value:
                 engine.release(row)
                 del rows[row]
