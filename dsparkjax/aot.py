@@ -53,3 +53,7 @@ class AotFunction:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._jit(*args, **kwargs)
+
+    def clear(self) -> None:
+        """Forget the executables, so `compile` compiles again (after `jax.clear_caches()` dropped JAX's)."""
+        self._compiled.clear()

@@ -13,6 +13,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+from dsparkjax.aot import AotFunction  # noqa: E402
 from dsparkjax.tiny import tiny_pair, write_tiny_pair  # noqa: E402
 
 
@@ -75,6 +76,8 @@ def _clear_compiled_programs() -> None:
         if type(obj) is functools._lru_cache_wrapper and getattr(obj, "__module__", "").startswith(
                 ("dsparkjax", "test_", "model_helpers", "hf_reference")):
             obj.cache_clear()
+        elif isinstance(obj, AotFunction):  # module-level ones outlive the caches: they would not compile again
+            obj.clear()
     gc.collect()
 
 
