@@ -8,8 +8,9 @@ at every position of those continuations and each candidate is scored against th
 candidate i matched given that candidates 1..i-1 did (what the confidence head predicts), and the prefix
 survival c_1·…·c_i against how often candidates 1..i all matched (what the width policy thresholds), with
 its isotonic fit and the fitted threshold: the lowest c_1·…·c_i whose calibrated survival reaches
-`--break_even`. `--write_draft` stores the thresholds in the drafter GGUF, where `load_drafter` reads them as
-its adaptive width policy's defaults.
+`--break_even`, and the thresholds the drafter GGUF already stores (`stored_thresholds`, dash-dotted), if any.
+`--write_draft` stores the fitted thresholds in the drafter GGUF, where `load_drafter` reads them as its
+adaptive width policy's defaults.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ _PROMPT_LEN = flags.DEFINE_integer("prompt_len", calibration.PROMPT_LEN, "Tokens
 _NEW = flags.DEFINE_integer("new_tokens", calibration.NEW_TOKENS,
                             "Greedy tokens per prompt (the positions drafted from).")
 _SEED = flags.DEFINE_integer("seed", calibration.PROMPT_SEED, "Seed of the prompt positions.")
+_PROMPT_DIR = flags.DEFINE_string(
+    "prompt_dir", None, "Draw the prompts from every .py file under this directory instead of this Python's held-out "
+    "split (which is held out only for a pair trained on this Python).")
 _BINS = flags.DEFINE_integer("bins", 10, "Confidence bins.")
 _BREAK_EVEN = flags.DEFINE_float("break_even", calibration.BREAK_EVEN,
                                   "Calibrated survival a verified candidate must reach.")
@@ -75,10 +79,13 @@ def main(argv: list[str]) -> None:
         draft_path = draft_path or embedded_draft
     target = load_target(target_path)
     drafter = load_drafter(draft_path, target)
-    prompts = held_out_prompts(target.tokenizer, _PROMPTS.value, _PROMPT_LEN.value, _SEED.value)
+    prompts = held_out_prompts(target.tokenizer, _PROMPTS.value, _PROMPT_LEN.value, _SEED.value,
+                               _PROMPT_DIR.value)
     proposals = calibration.proposals_on(target, drafter, prompts, _NEW.value)
-    result = dict(target=target_path, draft=draft_path, prompts=len(prompts), prompt_len=_PROMPT_LEN.value,
-                  new_tokens=_NEW.value, seed=_SEED.value, positions=int(len(proposals.matches)),
+    result = dict(target=target_path, draft=draft_path, prompts=len(prompts), prompt_dir=_PROMPT_DIR.value,
+                  prompt_len=_PROMPT_LEN.value, new_tokens=_NEW.value, seed=_SEED.value,
+                  positions=int(len(proposals.matches)),
+                  stored_thresholds=list(drafter.width_thresholds) if drafter.width_thresholds is not None else None,
                   **report(proposals, _BINS.value, _BREAK_EVEN.value))
     print(json.dumps([{k: s[k] for k in ("slot", "samples", "acceptance", "conditional_ece", "conditional_auc",
                                          "prefix_auc", "threshold")} for s in result["slots"]], indent=1))
@@ -87,15 +94,15 @@ def main(argv: list[str]) -> None:
         with open(_JSON.value, "w") as f:
             f.write(json.dumps(result, indent=2) + "\n")
     if _PNG.value:
-        plot(result["slots"], _PNG.value)
+        plot(result["slots"], result["stored_thresholds"] or [], _PNG.value)
     if _WRITE.value:
         calibration.write_thresholds(draft_path, tuple(result["thresholds"]))
         print(f"wrote the thresholds to {draft_path}")
 
 
-def plot(slots: list[dict], path: str) -> None:
+def plot(slots: list[dict], stored: list[float], path: str) -> None:
     """Left: candidate i's acceptance against c_i; right: prefix survival against c_1·…·c_i, isotonic fits
-    (thin) and thresholds (dotted)."""
+    (thin), fitted thresholds (dotted) and the drafter's stored ones (`stored`, dash-dotted)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -111,8 +118,11 @@ def plot(slots: list[dict], path: str) -> None:
         right.plot(*zip(*s["prefix_isotonic"]), "-", color=color, lw=0.8, alpha=0.6)
         if s["threshold"] is not None:
             right.axvline(s["threshold"], color=color, ls=":", alpha=0.8)
+        if s["slot"] <= len(stored):
+            right.axvline(stored[s["slot"] - 1], color=color, ls="-.", alpha=0.8)
     left.set_title("candidate i accepted | 1..i-1 accepted, vs c_i")
-    right.set_title("1..i all accepted, vs c_1·…·c_i\n(thin: isotonic fit; dotted: thresholds)")
+    right.set_title("1..i all accepted, vs c_1·…·c_i\n"
+                    "(thin: isotonic fit; dotted: fitted t_i; dash-dot: stored t_i)")
     for ax in (left, right):
         ax.plot([0, 1], [0, 1], "k--", lw=0.8)
         ax.set_xlabel("predicted")

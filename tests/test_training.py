@@ -10,13 +10,16 @@ import optax
 import pytest
 
 from dsparkjax.config import tiny_target
+from dsparkjax.errors import ArgumentError
 from dsparkjax.decoding.forward import forward
 from dsparkjax.formats import GGMLType
 from dsparkjax.ggufio.contract import target_tensor_specs
 from dsparkjax.ggufio.reader import GGUFFile
 from dsparkjax.target_api import load_target
 from dsparkjax.tiny import write_tiny_pair
+from dsparkjax.tokenizer import build_tiny_tokenizer
 from dsparkjax.training import loop
+from dsparkjax.training.corpus import held_out_prompts, token_stream
 
 
 def test_learning_rate_is_optax_warmup_cosine():
@@ -70,3 +73,17 @@ def test_f16_recipe_halves_the_target_and_keeps_its_logits(tmp_path):
     want = np.asarray(forward(load_target(f32_path), tokens))
     got = np.asarray(forward(load_target(f16_path), tokens))
     np.testing.assert_allclose(got, want, atol=0.05 * np.abs(want).max())
+
+
+def test_held_out_prompts_from_a_directory_come_from_its_files(tmp_path):
+    """`root` draws every window from the .py files under it (text unseen by a pair trained on another Python);
+    anything but a directory is an ArgumentError naming it."""
+    tokenizer = build_tiny_tokenizer(300)
+    (tmp_path / "a.py").write_text("def spam(eggs):\n    return eggs * 2\n" * 20)
+    (tmp_path / "notes.txt").write_text("never read\n" * 50)
+    stream = token_stream(tokenizer, [str(tmp_path / "a.py")]).tolist()
+    prompts = held_out_prompts(tokenizer, 4, 8, seed=0, root=str(tmp_path))
+    assert len(prompts) == 4 and all(len(p) == 8 for p in prompts)
+    assert all(any(stream[s : s + 8] == p for s in range(len(stream) - 7)) for p in prompts)
+    with pytest.raises(ArgumentError, match="root"):
+        held_out_prompts(tokenizer, 4, 8, seed=0, root=str(tmp_path / "a.py"))

@@ -13,6 +13,7 @@ import sysconfig
 
 import numpy as np
 
+from dsparkjax.errors import ArgumentError
 from dsparkjax.tokenizer import Tokenizer
 
 HELD_OUT_EVERY = 20
@@ -61,7 +62,16 @@ def sample_windows(stream: np.ndarray, rng: np.random.Generator, batch: int, len
     return np.stack([stream[s : s + length] for s in starts])
 
 
-def held_out_prompts(tokenizer: Tokenizer, count: int, length: int, seed: int) -> list[list[int]]:
-    """`count` prompts of `length` tokens from random places of the held-out files (acceptance, calibration)."""
-    stream = token_stream(tokenizer, split_files(stdlib_files()).held_out)
+def held_out_prompts(tokenizer: Tokenizer, count: int, length: int, seed: int,
+                     root: str | None = None) -> list[list[int]]:
+    """`count` prompts of `length` tokens from random places of the held-out files (acceptance, calibration).
+
+    `root`: every `.py` file under that directory instead. The split is per Python, so on another Python than
+    the pair's training one most "held-out" files were training files; `root` names text known to be unseen
+    (e.g. a module the training Python no longer has).
+    """
+    if root is not None and not os.path.isdir(root):
+        raise ArgumentError(f"root must be a directory of .py files, got {root!r}")
+    files = stdlib_files(root) if root is not None else split_files(stdlib_files()).held_out
+    stream = token_stream(tokenizer, files)
     return sample_windows(stream, np.random.default_rng(seed), count, length).tolist()
