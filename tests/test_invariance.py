@@ -22,6 +22,7 @@ from dsparkjax.decoding.decoder import Decoder
 from dsparkjax.embedded import embedded_pair
 from dsparkjax.decoding.proposer import load_drafter
 from dsparkjax.errors import DsparkError
+from dsparkjax.testing.oracle import OracleProposer
 from dsparkjax.kernels import ffi, rowwise
 from dsparkjax.target_api import load_target
 from dsparkjax.testing import invariance
@@ -98,9 +99,13 @@ def test_embedded_pair_is_batch_invariant():
 
 
 def test_exact_mode_refuses_a_target_on_the_jnp_kernels():
-    """Exact verification needs the invariant step; the jnp kernel reference cannot give it."""
+    """Exact speculative verification needs the invariant step, which the jnp kernel reference cannot give;
+    plain decoding has nothing to reproduce and runs there in any mode."""
     target = tiny_target_model()
     reference = dataclasses.replace(target, kernels="reference")
-    with pytest.raises(DsparkError, match="verify='exact'"):
-        Decoder(reference, None, batch=1, max_len=64, max_step=8, prefill_chunk=8)
-    Decoder(reference, None, batch=1, max_len=64, max_step=8, prefill_chunk=8, verify="fast")
+    oracle = OracleProposer(np.zeros((1, 64), np.int32), np.zeros((1, 64), bool), target.config.vocab_size)
+    for verify in ("exact", "lossless"):
+        with pytest.raises(DsparkError, match=f"verify='{verify}'"):
+            Decoder(reference, oracle, batch=1, max_len=64, max_step=8, prefill_chunk=8, verify=verify)
+    Decoder(reference, oracle, batch=1, max_len=64, max_step=8, prefill_chunk=8, verify="fast")
+    Decoder(reference, None, batch=1, max_len=64, max_step=8, prefill_chunk=8)

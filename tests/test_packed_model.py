@@ -118,12 +118,14 @@ def test_generation_compiles_the_targets_own_step(monkeypatch):
 @needs_plugin
 def test_two_kernel_policies_compile_two_programs():
     """The kernel policy is part of the step's jit key: a target whose policy takes the dense copy from one row
-    gets its own program, in which the packed non-expert matmuls are no longer FFI calls."""
+    gets its own program, in which the packed non-expert matmuls are no longer FFI calls (fast mode's steps: the
+    invariant ones never take the copy)."""
     target_path, _ = rocmfpx_pair()
     kernel_target = load_target(target_path, kernels="ffi", simulate_qat=False)
     copy_target = dataclasses.replace(kernel_target, policy=KernelPolicy(gemm_min_rows=1))
-    assert kernel_target.options() != copy_target.options()
-    steps = [step_program(t.config, t.options()) for t in (kernel_target, copy_target)]
+    options = [t.options(invariant=False) for t in (kernel_target, copy_target)]
+    assert options[0] != options[1]
+    steps = [step_program(kernel_target.config, o) for o in options]
     state = init_state(kernel_target.config, 1, 8, 2, kernel_target.dtype)
     tokens = jax.ShapeDtypeStruct((1, 2), jnp.int32)
     calls = [step.compile(kernel_target.params, state, tokens).as_text().count('"dspark_qmatmul"') for step in steps]

@@ -12,8 +12,8 @@ sequences' policy chose (one program per width, reading each step's widths back;
 - "exact": the programs are batch invariant (`KernelPolicy.invariant`, issue 42): every row of a step is
   computed in an order of its own, whatever the width and the batch, so speculative output equals plain
   greedy output bit for bit; when sampling, a candidate is accepted iff it equals the target's keyed sample,
-  so speculative output equals plain sampled output with the same seeds. Needs the FFI plugin
-  (`Target.invariant`).
+  so speculative output equals plain sampled output with the same seeds. Speculative decoding needs the FFI
+  plugin (`Target.invariant`); plain decoding runs invariant steps where the target has them.
 - "fast": XLA picks the order of the dense contractions and may take the dense-copy GEMM for packed weights
   at many rows per call (batched generation), which is faster there; output may differ on near-tied logits.
 - "lossless": exact mode's batch-invariant programs, with the lossless rejection-sampling rule when sampling
@@ -96,8 +96,10 @@ class Decoder:
                    capture_layers=drafter.capture_layers if drafter is not None else ())
 
     def __post_init__(self) -> None:
-        if self.verify != "fast" and not self.target.invariant:
-            raise DsparkError(f"verify={self.verify!r} needs batch-invariant steps, which run on the FFI kernels: "
+        # Plain decoding has nothing to reproduce: it runs the target's own steps, invariant where they can be.
+        if self.verify != "fast" and self.proposer is not None and not self.target.invariant:
+            raise DsparkError(f"speculative verify={self.verify!r} needs batch-invariant steps, which run on the FFI "
+                              f"kernels: "
                               f"{self.target.path} is loaded with kernels={self.target.kernels!r} and the plugin "
                               f"is {'loaded' if self.target.kernels == 'reference' else 'missing'}; load it with "
                               f"kernels='auto' or 'ffi' ({BUILD_HINT}), or pass verify='fast'")
