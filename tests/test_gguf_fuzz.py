@@ -122,7 +122,8 @@ def _mutations(layout: Layout) -> st.SearchStrategy[Mutation]:
         st.builds(as_float, st.sampled_from(scalar_keys), any_f32),
         st.builds(array_count, st.sampled_from(array_keys), any_u64),
         st.builds(string_length, st.sampled_from(string_keys), any_u64, st.booleans()),
-        st.builds(tensor_field, tensor, st.sampled_from(("name_len", "n_dims", "dims", "type", "offset")), any_u64),
+        st.builds(tensor_field, tensor, st.sampled_from(("name_len", "dims", "offset")), any_u64),
+        st.builds(tensor_field, tensor, st.sampled_from(("n_dims", "type")), any_u32),  # the u32 fields
         st.builds(tensor_field, tensor, st.just("type"), st.one_of(st.integers(0, 41), st.integers(100, 107))),
         st.builds(tensor_offset_of_other, tensor, tensor),
         st.builds(data_bytes, tensor, at, st.binary(min_size=1, max_size=8)),
