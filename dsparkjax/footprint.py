@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from dsparkjax.config import DRAFTER_ARCH, TARGET_ARCH, DrafterConfig, TargetConfig
 from dsparkjax.errors import DeviceMemoryError, MemoryBudgetError
 from dsparkjax.ggufio.reader import TensorInfo
+from dsparkjax.model.params import layer_blocks
 from dsparkjax.model.state import init_state
 from dsparkjax.runtime import MEM_FRACTION
 
@@ -102,7 +103,7 @@ def step_weight_bytes(params: Any, cfg: TargetConfig) -> int:
     of `n_routed_experts` per layer: all three of an expert's matrices). `params` is a TargetParams of arrays
     or of ShapeDtypeStructs. The decode state's reads (≤ 0.4% of this up to 64k tokens, perf_anchors.md
     §2.4) are not counted."""
-    experts = sum(tree_bytes((b.moe.gate_up, b.moe.down)) for b in params.blocks)
+    experts = sum(tree_bytes((b.moe.gate_up, b.moe.down)) for b in layer_blocks(params))
     embed = tree_bytes(params.embed)
     selected = experts * cfg.n_active_experts // cfg.n_routed_experts
     return tree_bytes(params) - embed + embed // cfg.vocab_size - experts + selected

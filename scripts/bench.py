@@ -71,6 +71,8 @@ _COMPILE_THREADS = flags.DEFINE_integer("compile_threads", 6, "Programs compiled
 _WARM_START = flags.DEFINE_bool("warm_start", True, "Also time a second process's start to its first token.")
 _MEASURE = flags.DEFINE_list("measure", ["all"], "Measurements to run (all, or some of: "
                              "startup, copy_bandwidth, plain_decode, steps, drafter, speculative, batched).")
+_SCAN_LAYERS = flags.DEFINE_bool("scan_layers", False, "Layers of one structure share one scanned body "
+                                  "(load_target's scan_layers): compiles in a fraction of the time.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the random weights, prompts and oracle.")
 _JSON_OUT = flags.DEFINE_string("json_out", None, "Write the results here as JSON.")
 _ROLE = flags.DEFINE_enum("role", "run", ["run", "measure", "startup"], "Internal: which part this process runs.")
@@ -93,7 +95,7 @@ def settings() -> Settings:
         batches=tuple(int(b) for b in (_BATCHES.value or (["2", "4"] if tiny else ["8", "32"]))),
         copy_mib=_COPY_MIB.value or (16 if tiny else 256), reps=_REPS.value or (2 if tiny else 5),
         steps=_STEPS.value or (4 if tiny else 32), spec_tokens=_SPEC_TOKENS.value or (12 if tiny else 64),
-        measure=measure)
+        measure=measure, scan_layers=_SCAN_LAYERS.value)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -70,7 +70,7 @@ def build_model(s: Settings) -> Model:
     checked to fit the device first either way."""
     start = time.perf_counter()
     if s.gguf:
-        target = load_target(s.gguf, dtype=s.dtype, kernels=s.kernels, progress=True)
+        target = load_target(s.gguf, dtype=s.dtype, kernels=s.kernels, progress=True, scan_layers=s.scan_layers)
         drafter = load_drafter(s.draft, target, progress=True) if s.draft else None
         file = open_gguf(s.gguf)
         recipe, stored = str(file.metadata.get(QUANT_RECIPE_KEY, "as written")), file.tensors
@@ -81,10 +81,12 @@ def build_model(s: Settings) -> Model:
         pack, dtype = (None if backend == "dequantize" else backend), DTYPES[s.dtype]
         tsrc, dsrc = random_sources(tcfg, dcfg, seed=s.seed, recipe=recipe)
         stored = tsrc.tensors
-        shapes = (load_target_params(ShapeSource(tsrc.path, tsrc.tensors), tcfg, dtype, pack),
+        shapes = (load_target_params(ShapeSource(tsrc.path, tsrc.tensors), tcfg, dtype, pack,
+                                     scan_layers=s.scan_layers),
                   load_drafter_params(ShapeSource(dsrc.path, dsrc.tensors), dcfg, dtype, pack))
         footprint.check_fits(footprint.tree_bytes(shapes), "the random target and drafter")
-        target = Target(RANDOM, tcfg, load_target_params(tsrc, tcfg, dtype, pack), dtype, True, None, backend)
+        target = Target(RANDOM, tcfg, load_target_params(tsrc, tcfg, dtype, pack, scan_layers=s.scan_layers), dtype,
+                        True, None, backend)
         drafter = Drafter(RANDOM, dcfg, load_drafter_params(dsrc, dcfg, dtype, pack), target)
     jax.block_until_ready((target.params, drafter.params if drafter else None))
     return Model(target, drafter, recipe, time.perf_counter() - start, stored)
@@ -98,7 +100,7 @@ def meta(s: Settings, model: Model, configured: runtime.Settings) -> dict[str, A
         command=" ".join(a for a in sys.argv if not a.startswith(("--role=", "--part_out="))),
         device=jax.devices()[0].device_kind, platform=jax.default_backend(), jax=jax.__version__,
         jaxlib=jaxlib.__version__, python=platform.python_version(), config=s.config,
-        layers=model.target.config.num_layers, recipe=model.recipe, dtype=s.dtype, kernels=model.target.kernels,
+        layers=model.target.config.num_layers, scan_layers=s.scan_layers, recipe=model.recipe, dtype=s.dtype, kernels=model.target.kernels,
         weights=s.gguf or RANDOM, draft=(s.draft if s.gguf else RANDOM), batch=1, state_capacity=s.capacity,
         reps=s.reps, steps=s.steps, copy_mib=s.copy_mib, mem_fraction=configured.mem_fraction,
         compilation_cache=configured.cache_dir, compile_threads=s.compile_threads)
@@ -123,7 +125,7 @@ class Runner:
                          sampling=RowSampling.greedy(active.shape[0]), active=active)
 
     def state(self, batch: int, capacity: int) -> DecodeState:
-        return init_state(self.target.config, batch, capacity, EXACT_WIDTH, self.target.dtype)
+        return init_state(self.target.config, batch, capacity, EXACT_WIDTH, self.target.dtype, self.target.plan)
 
     def compile(self, batch: int, capacity: int, width: int) -> None:
         ints = jax.ShapeDtypeStruct((batch,), jnp.int32)

@@ -37,6 +37,7 @@ FIELDS = {
     "meta.python": "Python version",
     "meta.config": "ds4, tiny, or gguf (--gguf)",
     "meta.layers": "target layers",
+    "meta.scan_layers": "whether layers of one structure ran as one scanned body (load_target's scan_layers)",
     "meta.recipe": "quant recipe of the weights (random: 'published' for ds4, 'f32' for tiny; gguf: as written)",
     "meta.dtype": "compute dtype",
     "meta.kernels": "how matrices run: ffi, reference (packed) or dequantize (dense)",
@@ -152,6 +153,7 @@ class Settings:
     steps: int
     spec_tokens: int
     measure: frozenset[str]
+    scan_layers: bool = False  # the target's layers of one structure share a scanned body (load_target's)
 
 
 class Part:

@@ -99,7 +99,7 @@ def main(argv: list[str]) -> None:
         tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, q)), jnp.int32)
         by_context: dict[int, tuple[int, float]] = {}  # context -> (its first case's capacity, its ms)
         for context, capacity in cases:
-            state = init_state(cfg, batch, capacity, q, target.dtype)
+            state = init_state(cfg, batch, capacity, q, target.dtype, target.plan)
             if context is not None:
                 if context < q:
                     raise app.UsageError(f"--cases: context {context} is shorter than width {q}")

@@ -131,7 +131,7 @@ class Decoder:
         cfg, batch = self.target.config, self.batch
         footprint.check_state_budget(cfg, batch, self.max_len, self.max_step, self.target.dtype, self.target.path)
         return LoopState(
-            state=init_state(cfg, batch, self.max_len, self.max_step, self.target.dtype),
+            state=init_state(cfg, batch, self.max_len, self.max_step, self.target.dtype, self.target.plan),
             proposer=self.proposer.init_state(batch, self.max_step) if self.proposer is not None else None,
             seeds=jnp.zeros((batch,), jnp.int32), ewma=jnp.full((batch,), self.policy.ewma_init, jnp.float32),
             sampling=RowSampling.greedy(batch), active=jnp.zeros((batch,), jnp.bool_))

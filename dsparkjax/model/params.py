@@ -10,6 +10,7 @@ computes them (`ds4_arch.md` §6.1).
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from typing import Callable
 
@@ -22,6 +23,7 @@ from dsparkjax import formats
 from dsparkjax.errors import GGUFContractError, UnsupportedTypeError
 from dsparkjax.ggufio.reader import GGUFFile
 from dsparkjax.kernels.packed import dequantize
+from dsparkjax.model.layer_plan import LayerPlan, Segment, plan_layers, unrolled_plan
 from dsparkjax.model.sources import FileSource, TensorSource, packs
 from dsparkjax.model.weights import PackedWeight, RowBlocks, Weight
 
@@ -83,9 +85,18 @@ class Block:
 
 
 @struct.dataclass
+class LayerStack:
+    """The layers of a scanned segment (`layer_plan.Segment`): blocks[j] holds body position j of every
+    repetition, each array leaf stacked along a leading axis of `count` (repetition r at index r)."""
+
+    blocks: tuple[Block, ...]
+    count: int = struct.field(pytree_node=False)
+
+
+@struct.dataclass
 class TargetParams:
     embed: jax.Array  # [V, D]
-    blocks: tuple[Block, ...]
+    blocks: tuple[Block | LayerStack, ...]  # one per segment of the layer plan: a Block, or a LayerStack
     hc_head: HyperConnection
     norm: jax.Array  # [D]
     head: Weight  # [V, D]
@@ -250,16 +261,19 @@ def _as_source(source: TensorSource | GGUFFile) -> TensorSource:
 
 
 def load_target_params(source: TensorSource | GGUFFile, cfg: TargetConfig, dtype: jnp.dtype,
-                       pack: str | None = None) -> TargetParams:
+                       pack: str | None = None, *, scan_layers: bool = False) -> TargetParams:
     """Read every target tensor of a source (a GGUFFile: its FileSource, checking each tensor's bytes) into a
     TargetParams pytree on the device.
 
     pack: None dequantizes every weight at load; "ffi" or "reference" keeps quantized matrices packed, for
     the kernels of that backend.
+    scan_layers: layers of one structure and tensor formats are stacked into LayerStacks (`target_plan`), for
+    the scanned step; each layer is written into its stack as it loads, so loading holds one layer more than
+    the weights.
     """
     t = _TensorReader(_as_source(source), dtype, pack)
-    blocks = []
-    for i in range(cfg.num_layers):
+
+    def block(i: int) -> Block:
         p = f"blk.{i}."
         kind = cfg.layer_type(i)
         compressor = _compressor(t, p + "attn_compressor") if kind != "swa" else None
@@ -267,10 +281,60 @@ def load_target_params(source: TensorSource | GGUFFile, cfg: TargetConfig, dtype
         if kind == "csa":
             indexer = Indexer(t.get(p + "indexer.attn_q_b.weight", "matrix"),
                               t.get(p + "indexer.proj.weight", "matrix"), _compressor(t, p + "indexer_compressor"))
-        blocks.append(Block(_hc(t, p + "hc_attn"), _attention(t, p, stack_q_kv=True), compressor, indexer,
-                            _hc(t, p + "hc_ffn"), _moe(t, p, cfg.is_hash_layer(i), cfg.n_routed_experts)))
-    return TargetParams(t.get("token_embd.weight", "table"), tuple(blocks), _hc(t, "output_hc"),
+        return Block(_hc(t, p + "hc_attn"), _attention(t, p, stack_q_kv=True), compressor, indexer,
+                     _hc(t, p + "hc_ffn"), _moe(t, p, cfg.is_hash_layer(i), cfg.n_routed_experts))
+
+    plan = target_plan(cfg, t.source.tensors) if scan_layers else unrolled_plan(cfg)
+    blocks = tuple(
+        LayerStack(tuple(_stacked((block(seg.start + r * seg.period + j) for r in range(seg.count)), seg.count)
+                         for j in range(seg.period)), seg.count)
+        if seg.scanned else block(seg.start)
+        for seg in plan)
+    return TargetParams(t.get("token_embd.weight", "table"), blocks, _hc(t, "output_hc"),
                         t.get("output_norm.weight"), t.get("output.weight", "matrix"))
+
+
+def target_plan(cfg: TargetConfig, tensors) -> LayerPlan:
+    """The layer plan of a target whose tensor table is `tensors` (name -> TensorInfo): layers of the same
+    structure whose tensors have the same types and shapes share a stack."""
+    keys: list[list] = [[] for _ in range(cfg.num_layers)]
+    for name, info in tensors.items():
+        parts = name.split(".", 2)
+        if parts[0] == "blk" and parts[1].isdigit() and int(parts[1]) < cfg.num_layers:
+            keys[int(parts[1])].append((parts[2], int(info.ggml_type), tuple(info.shape)))
+    return plan_layers(cfg, [tuple(sorted(k)) for k in keys])
+
+
+def plan_of(params: TargetParams) -> LayerPlan:
+    """The layer plan that params' layout follows (the decode state must be built with the same)."""
+    plan, start = [], 0
+    for b in params.blocks:
+        plan.append(Segment(start, len(b.blocks), b.count) if isinstance(b, LayerStack) else Segment(start, 1, 1))
+        start = plan[-1].stop
+    return tuple(plan)
+
+
+def layer_blocks(params: TargetParams):
+    """Every Block of params: one per unrolled layer, and each LayerStack's stacked ones (leaves `[count, ...]`)."""
+    for b in params.blocks:
+        yield from (b.blocks if isinstance(b, LayerStack) else (b,))
+
+
+def _stacked(blocks, count: int) -> Block:
+    """`count` Blocks of one structure as one Block whose leaves are stacked `[count, ...]`, written into the
+    stack one by one (the stack donated), so only one unstacked Block is held at a time."""
+    first = next(blocks)
+    if isinstance(jax.tree.leaves(first)[0], jax.ShapeDtypeStruct):  # a sizing run: shapes alone
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct((count, *x.shape), x.dtype), first)
+    stack = jax.tree.map(lambda x: jnp.zeros((count, *x.shape), x.dtype), first)
+    for r, blk in enumerate(itertools.chain([first], blocks)):
+        stack = _put(stack, blk, r)
+    return stack
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _put(stack, blk, r):
+    return jax.tree.map(lambda s, x: s.at[r].set(x), stack, blk)
 
 
 def load_drafter_params(source: TensorSource | GGUFFile, cfg: DrafterConfig, dtype: jnp.dtype,

@@ -19,6 +19,7 @@ from flax import struct
 
 from dsparkjax.config import CSA_RATIO, TargetConfig
 from dsparkjax.errors import CapacityError
+from dsparkjax.model.layer_plan import LayerPlan, unrolled_plan
 from dsparkjax.model.ring import ring_size
 
 
@@ -34,6 +35,14 @@ class LayerCache:
 
 
 @struct.dataclass
+class CacheStack:
+    """The caches of a scanned segment (`layer_plan.Segment`): layers[j] holds body position j of every
+    repetition, each buffer stacked along a leading axis (repetition r at index r, then the batch)."""
+
+    layers: tuple[LayerCache, ...]
+
+
+@struct.dataclass
 class DecodeState:
     """Decode state of a batch: committed lengths and per-layer caches (an immutable pytree).
 
@@ -42,7 +51,7 @@ class DecodeState:
     """
 
     length: jax.Array  # int32 [B] committed tokens per sequence
-    layers: tuple[LayerCache, ...]
+    layers: tuple[LayerCache | CacheStack, ...]  # one per segment of the layer plan (the params' layout)
     max_len: int = struct.field(pytree_node=False)
     max_step: int = struct.field(pytree_node=False)
 
@@ -58,29 +67,36 @@ class DecodeState:
                                 f"the decode state's max_len {self.max_len}")
 
 
-def init_state(cfg: TargetConfig, batch: int, max_len: int, max_step: int, dtype: jnp.dtype) -> DecodeState:
+def init_state(cfg: TargetConfig, batch: int, max_len: int, max_step: int, dtype: jnp.dtype,
+               plan: LayerPlan | None = None) -> DecodeState:
     """Empty state for `batch` sequences of up to `max_len` tokens, for steps of up to `max_step` rows.
 
     Args:
       dtype: the cache dtype of window and compressed kv (the compute dtype).
+      plan: the layer plan of the target's parameters (`params.plan_of`; None: every layer unrolled): a
+        scanned segment's caches are stacked as a CacheStack.
     """
     d, di = cfg.head_dim, cfg.index_head_dim
-    layers = []
-    for i in range(cfg.num_layers):
+
+    def cache(i: int, lead: tuple[int, ...]) -> LayerCache:
         kind, m = cfg.layer_type(i), cfg.compress_ratios[i]
-        window = jnp.zeros((batch, ring_size(cfg.sliding_window, max_step), d), dtype)
+        window = jnp.zeros((*lead, batch, ring_size(cfg.sliding_window, max_step), d), dtype)
         comp_proj = comp_kv = index_proj = index_keys = None
         if kind != "swa":
             entries = -(-max_len // m)
             span = 2 * m if kind == "csa" else m
             width = (2 if kind == "csa" else 1) * d
-            comp_proj = jnp.zeros((batch, ring_size(span, max_step), 2, width), jnp.float32)
-            comp_kv = jnp.zeros((batch, entries, d), dtype)
+            comp_proj = jnp.zeros((*lead, batch, ring_size(span, max_step), 2, width), jnp.float32)
+            comp_kv = jnp.zeros((*lead, batch, entries, d), dtype)
             if kind == "csa":
-                index_proj = jnp.zeros((batch, ring_size(span, max_step), 2, 2 * di), jnp.float32)
-                index_keys = jnp.zeros((batch, -(-max_len // CSA_RATIO), di), jnp.float32)
-        layers.append(LayerCache(window, comp_proj, comp_kv, index_proj, index_keys))
-    return DecodeState(jnp.zeros((batch,), jnp.int32), tuple(layers), max_len, max_step)
+                index_proj = jnp.zeros((*lead, batch, ring_size(span, max_step), 2, 2 * di), jnp.float32)
+                index_keys = jnp.zeros((*lead, batch, -(-max_len // CSA_RATIO), di), jnp.float32)
+        return LayerCache(window, comp_proj, comp_kv, index_proj, index_keys)
+
+    layers = tuple(CacheStack(tuple(cache(seg.start + j, (seg.count,)) for j in range(seg.period)))
+                   if seg.scanned else cache(seg.start, ())
+                   for seg in (plan or unrolled_plan(cfg)))
+    return DecodeState(jnp.zeros((batch,), jnp.int32), layers, max_len, max_step)
 
 
 def commit(state: DecodeState, accepted: jax.Array) -> DecodeState:

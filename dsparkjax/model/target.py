@@ -27,10 +27,12 @@ from dsparkjax.model.block import (
 )
 from dsparkjax.model.hc import hc_head
 from dsparkjax.model.layers import apply_rope, fp4_indexer_sim, rms_norm, rope_frequencies, route
-from dsparkjax.model.params import Block, Compressor, Indexer, MoE, TargetParams
+from dsparkjax.errors import DsparkError
+from dsparkjax.model.layer_plan import Segment
+from dsparkjax.model.params import Block, Compressor, Indexer, LayerStack, MoE, TargetParams, plan_of
 from dsparkjax.model import reduce, ring
-from dsparkjax.model.state import DecodeState, LayerCache
-from dsparkjax.model.weights import linear
+from dsparkjax.model.state import CacheStack, DecodeState, LayerCache
+from dsparkjax.model.weights import PackedWeight, linear
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,21 +186,70 @@ class TargetModel:
         """
         cfg, opts = self.cfg, self.options
         state.check_step(tokens.shape[1])
+        if len(params.blocks) != len(state.layers) or any(
+                isinstance(b, LayerStack) != isinstance(c, CacheStack) for b, c in zip(params.blocks, state.layers)):
+            raise DsparkError("the decode state's layer layout does not match the target's: build it with "
+                              "init_state(..., plan=plan_of(params))")
         positions = state.length[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
         embedded = params.embed[tokens].astype(jnp.float32)
         streams = jnp.broadcast_to(embedded[:, :, None, :], embedded.shape[:2] + (cfg.hc_mult, cfg.hidden_size))
         captured: dict[int, jax.Array] = {}
         caches = []
-        for layer, (blk, cache) in enumerate(zip(params.blocks, state.layers)):
-            if opts.capture_point == "entering" and layer in opts.capture_layers:
-                captured[layer] = reduce.mean(streams, axis=2)
-            streams, cache = self.block(layer, blk, streams, tokens, positions, cache)
+        for seg, blocks, cache in zip(plan_of(params), params.blocks, state.layers):
+            if seg.scanned:
+                streams, cache = self._scanned(seg, blocks, cache, streams, tokens, positions, captured)
+            else:
+                streams, cache, mean = self._layer(seg.start, blocks, cache, streams, tokens, positions,
+                                                   seg.start in opts.capture_layers)
+                if mean is not None:
+                    captured[seg.start] = mean
             caches.append(cache)
-            if opts.capture_point == "after" and layer in opts.capture_layers:
-                captured[layer] = reduce.mean(streams, axis=2)
         collapsed = hc_head(streams, params.hc_head.fn, params.hc_head.base, params.hc_head.scale,
                             hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
         logits = linear(rms_norm(collapsed, params.norm, cfg.rms_norm_eps), params.head)
         features = (jnp.stack([captured[i] for i in opts.capture_layers], axis=2) if captured
                     else jnp.zeros(tokens.shape + (0, cfg.hidden_size), jnp.float32))
         return logits, features, state.replace(layers=tuple(caches))
+
+    def _layer(self, layer: int, blk: Block, cache: LayerCache, streams: jax.Array, tokens: jax.Array,
+               positions: jax.Array, capture: bool) -> tuple[jax.Array, LayerCache, jax.Array | None]:
+        """One layer; with `capture`, also the mean over its HC streams (entering or after it, per the options)."""
+        mean = None
+        if capture and self.options.capture_point == "entering":
+            mean = reduce.mean(streams, axis=2)
+        streams, cache = self.block(layer, blk, streams, tokens, positions, cache)
+        if capture and self.options.capture_point == "after":
+            mean = reduce.mean(streams, axis=2)
+        return streams, cache, mean
+
+    def _scanned(self, seg: Segment, stack: LayerStack, caches: CacheStack, streams: jax.Array, tokens: jax.Array,
+                 positions: jax.Array, captured: dict[int, jax.Array]) -> tuple[jax.Array, CacheStack]:
+        """A scanned segment: one `lax.scan` over its repetitions r, the body one period of layers.
+
+        The stacked weights stay whole in the body (the FFI kernels read layer r in place, `PackedWeight.at_layer`);
+        each body position's cache is read and written back at index r of its stack. Body positions holding a
+        capture layer in some repetition emit their mean streams for every repetition, and the captured ones are
+        kept (`captured`).
+        """
+        layers = self.options.capture_layers
+        capture = {j for j in range(seg.period) if any(seg.start + r * seg.period + j in layers
+                                                       for r in range(seg.count))}
+
+        def body(carry, r):
+            streams, stacks = carry
+            stacks, means = list(stacks), {}
+            for j in range(seg.period):
+                blk = jax.tree.map(lambda x: x.at_layer(r) if isinstance(x, PackedWeight) else x[r],
+                                   stack.blocks[j], is_leaf=lambda x: isinstance(x, PackedWeight))
+                cache = jax.tree.map(lambda c: c[r], stacks[j])
+                streams, cache, means[j] = self._layer(seg.start + j, blk, cache, streams, tokens, positions,
+                                                       j in capture)
+                stacks[j] = jax.tree.map(lambda c, n: c.at[r].set(n), stacks[j], cache)
+            return (streams, tuple(stacks)), {j: m for j, m in means.items() if m is not None}
+
+        (streams, stacks), means = jax.lax.scan(body, (streams, caches.layers), jnp.arange(seg.count))
+        for j, per_rep in means.items():
+            for r in range(seg.count):
+                if seg.start + r * seg.period + j in layers:
+                    captured[seg.start + r * seg.period + j] = per_rep[r]
+        return streams, CacheStack(stacks)

@@ -30,17 +30,46 @@ from dsparkjax.kernels import policy as kernel_policy
 
 @struct.dataclass
 class PackedWeight:
-    """A quantized weight kept packed: uint8 `[out, row_bytes]` or `[E, out, row_bytes]` plus its format."""
+    """A quantized weight kept packed: uint8 `[out, row_bytes]` or `[E, out, row_bytes]` plus its format.
+
+    In a scanned step (`model/target.py`) `data` may be a whole layer stack `[L, ...]` with `layer` the traced
+    index of the layer meant: the FFI kernels then read that layer in place (the MoE call, the layer index
+    folded into the ids), since slicing it would make XLA copy the weight for the custom call every step.
+    """
 
     data: jax.Array
     ggml_type: int = struct.field(pytree_node=False)
     in_features: int = struct.field(pytree_node=False)
     dtype: jnp.dtype = struct.field(pytree_node=False)  # activation dtype fed to the kernel
     backend: str = struct.field(pytree_node=False)  # "ffi" or "reference"
+    layer: jax.Array | None = None  # int32 [] index into data's leading layer axis, or None (data is the weight)
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return (*self.data.shape[:-1], self.in_features)
+        return (*self.data.shape[int(self.layer is not None) : -1], self.in_features)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the (one layer's) weight."""
+        return self.data.nbytes // (self.data.shape[0] if self.layer is not None else 1)
+
+    def at_layer(self, layer: jax.Array) -> "PackedWeight":
+        """Layer `layer` of a stacked weight (data `[L, ...]`): read in place by the FFI kernels, sliced for the
+        jnp reference (whose gather-and-dequantize XLA fuses, so no copy is made)."""
+        if self.backend == "ffi":
+            return self.replace(layer=layer)
+        return self.replace(data=self.data[layer])
+
+    def stacked_ids(self, ids: jax.Array, per_layer: int) -> tuple[jax.Array, jax.Array]:
+        """(data as `[L·per_layer, ...]`, ids offset to this layer's `per_layer` matrices) for the MoE call."""
+        if self.layer is None:
+            return self.data, ids
+        data = self.data.reshape(-1, *self.data.shape[-2:])
+        return data, ids + self.layer.astype(jnp.int32) * per_layer
+
+    def dense(self) -> jax.Array:
+        """The packed bytes of this weight alone (a slice of a stack, which XLA fuses into an elementwise user)."""
+        return self.data if self.layer is None else self.data[self.layer]
 
 
 Weight = Union[jax.Array, PackedWeight]
@@ -71,7 +100,7 @@ def takes_dense_copy(w: PackedWeight, rows: int) -> bool:
     if w.backend != "ffi" or policy.gemm_min_rows <= 0 or policy.invariant:
         return False
     return rows >= policy.gemm_min_rows or (
-        rows >= policy.gemm_min_rows_large and w.data.size >= policy.large_weight_bytes)
+        rows >= policy.gemm_min_rows_large and w.nbytes >= policy.large_weight_bytes)
 
 
 def _precision(w: jax.Array) -> jax.lax.Precision:
@@ -82,14 +111,18 @@ def dense_copy(w: PackedWeight) -> jax.Array:
     """w dequantized in the graph, in its activation dtype: `[..., out, in]`."""
     from dsparkjax import kernels
 
-    return kernels.dequantize(w.data, w.ggml_type, w.in_features).astype(w.dtype)
+    return kernels.dequantize(w.dense(), w.ggml_type, w.in_features).astype(w.dtype)
 
 
 def _packed_linear(x: jax.Array, w: PackedWeight) -> jax.Array:
     from dsparkjax import kernels
 
     flat = x.reshape(-1, x.shape[-1]).astype(w.dtype)
-    y = kernels.qmatmul(flat, w.data, w.ggml_type, backend=w.backend, mma=kernel_policy.active().mma)
+    if w.layer is not None:  # the MoE call with every row choosing this layer's matrix
+        data, ids = w.stacked_ids(jnp.zeros((flat.shape[0], 1), jnp.int32), 1)
+        y = kernels.qmatmul_id(flat, data, ids, w.ggml_type, backend=w.backend)[:, 0]
+    else:
+        y = kernels.qmatmul(flat, w.data, w.ggml_type, backend=w.backend, mma=kernel_policy.active().mma)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -98,6 +131,13 @@ def _packed_grouped_linear(x: jax.Array, w: PackedWeight, groups: int) -> jax.Ar
     from dsparkjax import kernels
 
     flat = x.reshape(-1, groups, x.shape[-1]).astype(w.dtype)
+    if w.layer is not None:  # the MoE call with row (t, g) choosing this layer's group g
+        data = w.data.reshape(w.data.shape[0], groups, -1, w.data.shape[-1])
+        t = flat.shape[0]
+        ids = jnp.tile(jnp.arange(groups, dtype=jnp.int32), t).reshape(t * groups, 1)
+        data, ids = w.replace(data=data).stacked_ids(ids, groups)
+        y = kernels.qmatmul_id(flat.reshape(t * groups, -1), data, ids, w.ggml_type, backend=w.backend)
+        return y.reshape(*x.shape[:-1], -1)
     stack = w.data.reshape(groups, -1, w.data.shape[-1])
     y = kernels.qmatmul_grouped(flat, stack, w.ggml_type, backend=w.backend,
                                 mma=kernel_policy.active().mma)
@@ -161,7 +201,8 @@ def expert_linear(x: jax.Array, w: Weight, ids: jax.Array) -> jax.Array:
             flat, flat_ids = x.reshape(-1, x.shape[-1]), ids.reshape(-1, 1)
         else:
             flat, flat_ids = x.reshape(-1, x.shape[-1]), ids.reshape(-1, k)
-        y = kernels.qmatmul_id(flat.astype(w.dtype), w.data, flat_ids, w.ggml_type, backend=w.backend)
+        data, flat_ids = w.stacked_ids(flat_ids, w.shape[0])
+        y = kernels.qmatmul_id(flat.astype(w.dtype), data, flat_ids, w.ggml_type, backend=w.backend)
         return y.reshape(*ids.shape, y.shape[-1])
     if kernel_policy.active().invariant:
         from dsparkjax.kernels import rowwise

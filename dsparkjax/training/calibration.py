@@ -56,7 +56,7 @@ def propose_everywhere(target: Target, drafter: Drafter, sequences: np.ndarray, 
     b, t = sequences.shape
     width = drafter.block_size
     step = step_program(target.config, target.options(drafter.capture_layers))
-    _, features, _ = step(target.params, init_state(target.config, b, t, t, target.dtype), jnp.asarray(sequences))
+    _, features, _ = step(target.params, init_state(target.config, b, t, t, target.dtype, target.plan), jnp.asarray(sequences))
     state = drafter.absorb(drafter.init_state(b, t), features, jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)))
     confidences, matches = [], []
     for s in range(first, t - width):
