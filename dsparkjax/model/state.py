@@ -99,6 +99,19 @@ def init_state(cfg: TargetConfig, batch: int, max_len: int, max_step: int, dtype
     return DecodeState(jnp.zeros((batch,), jnp.int32), layers, max_len, max_step)
 
 
+def per_layer(state: DecodeState) -> tuple[LayerCache, ...]:
+    """Every layer's caches in layer order, whatever the layout (a CacheStack's repetitions sliced out)."""
+    out = []
+    for entry in state.layers:
+        if isinstance(entry, CacheStack):
+            count = jax.tree.leaves(entry)[0].shape[0]
+            out += [jax.tree.map(lambda c: c[r], entry.layers[j]) for r in range(count)
+                    for j in range(len(entry.layers))]
+        else:
+            out.append(entry)
+    return tuple(out)
+
+
 def commit(state: DecodeState, accepted: jax.Array) -> DecodeState:
     """Advance each sequence by its accepted count (int32 [B]); everything past it is rolled back."""
     return state.replace(length=state.length + accepted.astype(jnp.int32))
