@@ -41,8 +41,17 @@ def softmax(x: jax.Array, axis: int = -1) -> jax.Array:
     return e / total(e, axis, keepdims=True)
 
 
-def contract(x: jax.Array, w: jax.Array) -> jax.Array:
-    """`x·wᵀ` in float32 at full precision: x `[..., K]`, w dense `[N, K]` -> `[..., N]`."""
+def contract(x: jax.Array, w) -> jax.Array:
+    """`x·wᵀ` in float32 at full precision: x `[..., K]`, w dense `[N, K]` (or a `weights.StackedDense` layer of
+    float32 matrices) -> `[..., N]`."""
+    from dsparkjax.model.weights import StackedDense
+
+    if isinstance(w, StackedDense):
+        if not invariant() or w.dtype != jnp.float32:
+            return contract(x, w.value())
+        flat = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+        y = w.matmul_id(flat, jnp.zeros((flat.shape[0], 1), jnp.int32), 1)[:, 0]
+        return y.reshape(*x.shape[:-1], -1)
     if not invariant():
         return jnp.einsum("...k,nk->...n", x.astype(jnp.float32), w.astype(jnp.float32),
                           precision=jax.lax.Precision.HIGHEST)

@@ -9,7 +9,7 @@ logits of every row, the captured features for the drafter and the new state (le
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -29,10 +29,10 @@ from dsparkjax.model.hc import hc_head
 from dsparkjax.model.layers import apply_rope, fp4_indexer_sim, rms_norm, rope_frequencies, route
 from dsparkjax.errors import DsparkError
 from dsparkjax.model.layer_plan import Segment
-from dsparkjax.model.params import Block, Compressor, Indexer, LayerStack, MoE, TargetParams, plan_of
+from dsparkjax.model.params import Attention, Block, Compressor, Indexer, LayerStack, MoE, TargetParams, plan_of
 from dsparkjax.model import reduce, ring
 from dsparkjax.model.state import CacheStack, DecodeState, LayerCache
-from dsparkjax.model.weights import PackedWeight, linear
+from dsparkjax.model.weights import PackedWeight, RowBlocks, StackedDense, linear
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +43,32 @@ class StepOptions:
     capture_layers: tuple[int, ...] = ()  # layers whose HC streams feed the drafter
     capture_point: Literal["after", "entering"] = "after"  # V4-Flash: after (dspark_reference.md §1)
     policy: KernelPolicy = KernelPolicy()  # kernel routing: HC backend, dense-copy thresholds, tensor-core mode
+
+
+# The matrices of each parameter struct: in a scanned body under an invariant policy they are read in place as
+# StackedDense (the MoE call on the whole stack) when dense; everything else is sliced.
+_MATRICES = {Attention: ("wq_a_kv", "wq_b", "wo_a", "wo_b"), Compressor: ("wkv", "wgate"),
+             Indexer: ("wq_b", "weights_proj"), MoE: ("router", "gate_up", "down", "shared_gate_up", "shared_down")}
+
+
+def layer_view(tree: Any, r: jax.Array, dense_in_place: bool) -> Any:
+    """Layer r of a stacked parameter tree (leaves `[L, ...]`), for a scanned body: packed weights read in place
+    (`PackedWeight.at_layer`), dense matrices too when `dense_in_place` (`StackedDense`), other leaves sliced."""
+
+    def walk(node: Any, matrix: bool = False) -> Any:
+        if node is None:
+            return None
+        if isinstance(node, PackedWeight):
+            return node.at_layer(r)
+        if isinstance(node, jax.Array):
+            return StackedDense(node, r) if matrix and dense_in_place else node[r]
+        if isinstance(node, RowBlocks):
+            return node.replace(parts=tuple(walk(p, matrix) for p in node.parts))
+        names = _MATRICES.get(type(node), ())
+        return node.replace(**{f.name: walk(getattr(node, f.name), f.name in names)
+                               for f in dataclasses.fields(node) if f.metadata.get("pytree_node", True)})
+
+    return walk(tree)
 
 
 def _batch_index(x: jax.Array) -> jax.Array:
@@ -239,8 +265,7 @@ class TargetModel:
             streams, stacks = carry
             stacks, means = list(stacks), {}
             for j in range(seg.period):
-                blk = jax.tree.map(lambda x: x.at_layer(r) if isinstance(x, PackedWeight) else x[r],
-                                   stack.blocks[j], is_leaf=lambda x: isinstance(x, PackedWeight))
+                blk = layer_view(stack.blocks[j], r, self.policy.invariant)
                 cache = jax.tree.map(lambda c: c[r], stacks[j])
                 streams, cache, means[j] = self._layer(seg.start + j, blk, cache, streams, tokens, positions,
                                                        j in capture)

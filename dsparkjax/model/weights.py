@@ -72,7 +72,39 @@ class PackedWeight:
         return self.data if self.layer is None else self.data[self.layer]
 
 
-Weight = Union[jax.Array, PackedWeight]
+@struct.dataclass
+class StackedDense:
+    """Layer `layer` of a dense matrix stack `[L, ..., out, in]`, in a scanned step under an invariant policy.
+
+    The row-invariant products read dense matrices as their bytes on the FFI kernels (`kernels/rowwise.py`); a
+    sliced stack would be copied for that custom call every step, so the MoE call reads the whole stack with
+    the layer index folded into its ids instead. Anything else takes `value()`, the slice.
+    """
+
+    stack: jax.Array
+    layer: jax.Array  # int32 []
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.stack.shape[1:]
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        return self.stack.dtype
+
+    def value(self) -> jax.Array:
+        return self.stack[self.layer]
+
+    def matmul_id(self, x: jax.Array, ids: jax.Array, per_layer: int) -> jax.Array:
+        """`rowwise.matmul_id` of x `[T, K]` against this layer's `per_layer` matrices (ids int32 `[T, k]` among
+        them) -> float32 `[T, k, N]`."""
+        from dsparkjax.kernels import rowwise
+
+        stack = self.stack.reshape(-1, *self.stack.shape[-2:])
+        return rowwise.matmul_id(x, stack, ids + self.layer.astype(jnp.int32) * per_layer)
+
+
+Weight = Union[jax.Array, PackedWeight, StackedDense]
 
 
 @struct.dataclass
@@ -157,6 +189,16 @@ def linear(x: jax.Array, w: Weight, *, groups: int | None = None) -> jax.Array:
         if not takes_dense_copy(w, x.size // (x.shape[-1] * (groups or 1))):
             return _packed_linear(x, w) if groups is None else _packed_grouped_linear(x, w, groups)
         w = dense_copy(w)
+    if isinstance(w, StackedDense):
+        if not kernel_policy.active().invariant:
+            return linear(x, w.value(), groups=groups)
+        flat = x.reshape(-1, x.shape[-1]).astype(w.dtype)
+        if groups is None:
+            y = w.matmul_id(flat, jnp.zeros((flat.shape[0], 1), jnp.int32), 1)[:, 0]
+            return y.reshape(*x.shape[:-1], -1)
+        stack = w.stack.reshape(w.stack.shape[0], groups, -1, w.stack.shape[-1])
+        ids = jnp.tile(jnp.arange(groups, dtype=jnp.int32), flat.shape[0] // groups)[:, None]
+        return w.replace(stack=stack).matmul_id(flat, ids, groups).reshape(*x.shape[:-1], -1)
     if kernel_policy.active().invariant:
         return _invariant_linear(x, w, groups)
     x = x.astype(w.dtype)
@@ -193,6 +235,13 @@ def expert_linear(x: jax.Array, w: Weight, ids: jax.Array) -> jax.Array:
       float32 `[..., k, out]`.
     """
     per_expert = x.ndim > ids.ndim
+    if isinstance(w, StackedDense):
+        if not kernel_policy.active().invariant:
+            return expert_linear(x, w.value(), ids)
+        k = ids.shape[-1]
+        flat_ids = ids.reshape(-1, 1) if per_expert else ids.reshape(-1, k)
+        y = w.matmul_id(x.reshape(-1, x.shape[-1]).astype(w.dtype), flat_ids, w.shape[0])
+        return y.reshape(*ids.shape, y.shape[-1])
     if isinstance(w, PackedWeight):
         from dsparkjax import kernels
 
