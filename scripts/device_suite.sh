@@ -25,7 +25,8 @@
 # `invariance` (issue 42: scripts/check_invariance.py on the embedded pair and on DS4's dims with 4 layers in
 # bf16 and f32, then exact against fast generation at batch 1, 8 and 64) and `sampling` (the generation
 # benchmark with every run sampling at T = 0.7: plain vs exact and lossless speculative sampling, tok/s; run it
-# beside `generate` for the greedy numbers).
+# beside `generate` for the greedy numbers) and `scan` (issue 38: unrolled vs scanned layers at DS4's dims, compile
+# seconds, step ms and the cold and warm start to the first token; SCAN_LAYERS picks the layer counts).
 set -uo pipefail
 SECTIONS="${*:-tests kernels generate}"
 want() { [[ " $SECTIONS " == *" $1 "* ]]; }
@@ -138,6 +139,32 @@ for b in 1 8 64; do  # 64: speculative == plain over 64 prompts (exactness in th
     --prompts $b --max_new_tokens 32 --q 6 --acceptance 0.8 --reps 3 --output "$OUT/invariance_generate_b$b.json" \
     > "$OUT/invariance_generate_b$b.log" 2>&1
   grep -v '^ ' "$OUT/invariance_generate_b$b.log" | tail -9
+done
+fi
+if want scan; then  # issue 38's start-up: about 4-5 minutes per layer count at 32 layers (the unrolled compiles)
+# Unrolled vs scanned layers (load_target's scan_layers) at DS4's dims, each layer count of $SCAN_LAYERS
+# (default "8"; 32 fits an 80 GB H100: run `SCAN_LAYERS=32 bash scripts/device_suite.sh scan` as its own call):
+# compile seconds (compile.first_program_s: the batch-1 width-1 program alone), step ms at widths 1 and 6, the cold
+# start to the first token (compiling generate's programs) and a second process's warm start from the persistent
+# compilation cache (startup.warm: cache_entries_written 0 shows nothing was compiled), each in a fresh cache.
+echo "== scanned vs unrolled layers (DS4 dims): compile s, step ms, cold and warm start to the first token"
+for n in ${SCAN_LAYERS:-8}; do
+  for layout in unrolled scanned; do
+    flag=--noscan_layers; [[ $layout == scanned ]] && flag=--scan_layers
+    DSPARKJAX_CACHE="$(mktemp -d)" XLA_FLAGS= python3 scripts/bench.py --layers "$n" $flag --measure startup,steps \
+      --widths 1,6 --contexts 1024 --reps 3 --steps 16 --cold_start --compile_threads 2 \
+      --json_out "$OUT/scan_${layout}_${n}layers.json" > "$OUT/scan_${layout}_${n}layers.log" 2>&1
+    echo "exit $?"
+    python3 - "$OUT/scan_${layout}_${n}layers.json" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+get = lambda *ks: (lambda d: [d := (d or {}).get(k) for k in ks][-1])(r)
+print(sys.argv[1].rsplit("/", 1)[-1], "compile w1 %s s," % get("compile", "first_program_s"),
+      "steps ms q1 %s q6 %s," % (get("steps", "1", "ms"), get("steps", "6", "ms")),
+      "first token cold %s s warm %s s (warm compiled %s)" % (get("startup", "cold", "process_to_first_token_s"),
+      get("startup", "warm", "process_to_first_token_s"), get("startup", "warm", "cache_entries_written")))
+PY
+  done
 done
 fi
 if want hc; then  # under a minute; compare two builds with bench_hc.py --compare=A.npz,B.npz
