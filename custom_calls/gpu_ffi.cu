@@ -581,6 +581,47 @@ ffi::Error HcPostGpu(gpuStream_t stream, ffi::AnyBuffer block_out, ffi::AnyBuffe
   return launch_error();
 }
 
+// ---- RMSNorm ----
+constexpr int kNormWarps = 8;
+
+// One warp per row: lane l sums x[l + 32j]² in j order (fp32 FMAs), then the fixed butterfly (every lane gets
+// the same bits); y = (x · r) · w with r = 1 / sqrt(Σ / K + eps). A row's arithmetic depends on K alone.
+template <class XT>
+__global__ void __launch_bounds__(kNormWarps * kLanes) rms_norm_kernel(const XT* __restrict__ x,
+                                                                       const float* __restrict__ w,
+                                                                       float* __restrict__ y, int64_t T, int64_t K,
+                                                                       float eps) {
+  const int lane = threadIdx.x % kLanes;
+  const int64_t t = (int64_t)blockIdx.x * kNormWarps + threadIdx.x / kLanes;
+  if (t >= T) return;  // the whole warp: t is per warp
+  const XT* row = x + t * K;
+  float acc = 0.0f;
+  for (int64_t i = lane; i < K; i += kLanes) {
+    const float v = to_float(row[i]);
+    acc = __fmaf_rn(v, v, acc);
+  }
+  int index = 0;
+  const float ss = warp_sums<1>(&acc, lane, index);
+  const float r = __frcp_rn(__fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)K), eps)));
+  for (int64_t i = lane; i < K; i += kLanes) y[t * K + i] = __fmul_rn(__fmul_rn(to_float(row[i]), r), w[i]);
+}
+
+ffi::Error RmsNormGpu(gpuStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y,
+                      float eps) {
+  NormDims d;
+  if (auto e = check_rms_norm(x, w, *y, &d); e.failure()) return e;
+  if (d.T == 0 || d.K == 0) return ffi::Error::Success();
+  const dim3 grid((unsigned)((d.T + kNormWarps - 1) / kNormWarps));
+  const auto* wp = static_cast<const float*>(w.untyped_data());
+  auto* yp = static_cast<float*>(y->untyped_data());
+  visit_float(x.element_type(), [&](auto xt) {
+    using XT = decltype(xt);
+    rms_norm_kernel<XT><<<grid, kNormWarps * kLanes, 0, stream>>>(static_cast<const XT*>(x.untyped_data()), wp, yp,
+                                                                  d.T, d.K, eps);
+  });
+  return launch_error();
+}
+
 }  // namespace
 }  // namespace dspark
 
@@ -622,6 +663,12 @@ DSPARK_EXPORT XLA_FFI_Error* DSPARK_GPU_SYMBOL(DsparkIndexerTopk)(XLA_FFI_CallFr
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DSPARK_GPU_SYMBOL(DsparkIndexerTopk), dspark::IndexerTopkGpu,
                               DSPARK_GPU_BIND.Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>(),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+DSPARK_EXPORT XLA_FFI_Error* DSPARK_GPU_SYMBOL(DsparkRmsNorm)(XLA_FFI_CallFrame*);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DSPARK_GPU_SYMBOL(DsparkRmsNorm), dspark::RmsNormGpu,
+                              DSPARK_GPU_BIND.Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()
+                                  .Attr<float>("eps"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 DSPARK_DEFINE_PLUGIN_INFO

@@ -620,6 +620,27 @@ def test_hc_pre_rejects_a_missized_workspace(cpu_device):
         jax.block_until_ready(call(*_put(cpu_device, streams, fn, base, scale)))
 
 
+# --------------------------------------------------------------------------- RMSNorm (invariant steps)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("k", [64, 200, 4096])
+def test_rms_norm_matches_jnp_and_keeps_each_rows_bits(device, dtype, k):
+    """The FFI RMSNorm equals the jnp formula (layers.rms_norm's fast route) to rounding, and every row of a call
+    of T rows has the bits it has alone or among other rows."""
+    from dsparkjax.kernels import ffi
+
+    rng = np.random.default_rng(k)
+    x = (rng.standard_normal((13, k)) * rng.uniform(0.1, 30.0, (13, 1))).astype(np.float32)
+    w = rng.uniform(0.5, 1.5, k).astype(np.float32)
+    xd, wd = jax.device_put(jnp.asarray(x, dtype), device), jax.device_put(w, device)
+    f = jax.jit(functools.partial(ffi.rms_norm, eps=1e-6))
+    full = np.asarray(f(xd, wd))
+    xf = np.asarray(jnp.asarray(x, dtype).astype(jnp.float32))
+    want = xf / np.sqrt(np.mean(xf.astype(np.float64) ** 2, axis=-1, keepdims=True) + 1e-6) * w
+    np.testing.assert_allclose(full, want, rtol=2e-6, atol=1e-6)
+    for rows in (slice(0, 1), slice(4, 5), slice(0, 3), slice(5, 13)):
+        np.testing.assert_array_equal(np.asarray(f(xd[rows], wd)), full[rows])
+
+
 # --------------------------------------------------------------------------- API behaviour
 def test_reference_backend_and_errors():
     w = random_packed(np.random.default_rng(0), GGMLType.Q8_0, (4,), 64)
