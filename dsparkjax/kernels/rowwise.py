@@ -55,11 +55,12 @@ def matmul(x: jax.Array, w: jax.Array, mma: int = 1) -> jax.Array:
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-def matmul_id(x: jax.Array, w: jax.Array, ids: jax.Array) -> jax.Array:
+def matmul_id(x: jax.Array, w: jax.Array, ids: jax.Array, groups: int = 0) -> jax.Array:
     """`y[t, j] = x[t]·w[ids[t, j]]ᵀ`: x `[T, K]` (cast to w's dtype), w dense `[E, N, K]`, ids int32 `[T, k]`
-    -> float32 `[T, k, N]`."""
+    -> float32 `[T, k, N]`. `groups` = G > 0 declares ids[t] = t mod G (`ffi.qmatmul_id`): the GPU then lays the
+    call out for that pattern rather than for long runs of one id (`grouped_rows`)."""
     packed, ggml_type = packed_dense(w)
-    return ffi.qmatmul_id(_padded(x.astype(w.dtype)), packed, ids.astype(jnp.int32), ggml_type, 0, 1)
+    return ffi.qmatmul_id(_padded(x.astype(w.dtype)), packed, ids.astype(jnp.int32), ggml_type, groups, 1)
 
 
 def grouped_rows(x: jax.Array, w: jax.Array) -> jax.Array:
