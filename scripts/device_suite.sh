@@ -22,6 +22,8 @@
 # `train` (scripts/train_tiny.py on the GPU, bounded to about five
 # minutes: a hidden-128 pair with an F16 target of about 5 MB into $OUT/pair, the loss PNG and training_run.json
 # into $OUT; it needs no plugin, so run it alone as `DSPARKJAX_NO_BUILD=1 bash scripts/device_suite.sh train`),
+# `invmoe` (the float MoE path that runs the invariant step's attention products: its GPU bit tests, then DS4's
+# 4-layer step at widths 1 and 6, batch 1 (and 8 if time allows), invariant against XLA's; about three minutes),
 # `invariance` (issue 42, its whole acceptance in one call of at most 9.5 minutes: scripts/check_invariance.py on the
 # embedded pair and on DS4's dims with 4 layers in bf16 and f32; DS4 4-layer generation at batch 1 and 8, exact
 # plain against XLA's width-1 program and exact speculative (oracle p = 0.8, q = 6) against the old fixed-width
@@ -154,6 +156,22 @@ for path in sorted(glob.glob(f"{sys.argv[1]}/generate_*.json")):
     print(path.rsplit("/", 1)[-1], {k: d[k] for k in keys if k in d})
 PY
 tar czf "$OUT/invariance.tgz" -C "$OUT" invariance && rm -rf "$INV"
+fi
+if want invmoe; then  # about three minutes, not measured yet; the batch-8 timing only while the section is under 150 s
+echo "== float MoE path (the invariant step's attention products): GPU bit tests, then DS4's step, invariant vs XLA"
+start=$SECONDS
+python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py -k "attention_products or qmatmul_id" \
+  > "$OUT/invmoe_tests.log" 2>&1; tail -3 "$OUT/invmoe_tests.log"
+python3 -m pytest -q -p no:cacheprovider tests/test_invariance.py -k "rowwise or grouped_rows" \
+  > "$OUT/invmoe_rowwise.log" 2>&1; tail -1 "$OUT/invmoe_rowwise.log"
+STEP="scripts/bench_step.py --config ds4 --layers 4 --dtype bfloat16 --recipe published --widths 1,6 --steps 16"
+STEP="$STEP --reps 3"
+XLA_FLAGS= python3 $STEP --prompts 1 --programs invariant,fast > "$OUT/invmoe_step_b1.txt" 2>&1
+grep -E "^device|^width|Error" "$OUT/invmoe_step_b1.txt"
+if (( SECONDS - start < 150 )); then
+  XLA_FLAGS= timeout 150 python3 $STEP --prompts 8 --programs invariant,fast > "$OUT/invmoe_step_b8.txt" 2>&1
+  grep -E "^device|^width|Error" "$OUT/invmoe_step_b8.txt"
+fi
 fi
 if want hc; then  # under a minute; compare two builds with bench_hc.py --compare=A.npz,B.npz
 echo "== mHC custom calls"
