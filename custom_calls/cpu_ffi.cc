@@ -217,6 +217,24 @@ ffi::Error HcPostCpu(ffi::AnyBuffer block_out, ffi::AnyBuffer streams, ffi::AnyB
   return ffi::Error::Success();
 }
 
+// RMSNorm of each row alone: y = (x · r) · w, r = 1 / sqrt(Σx² / K + eps), the Σ over 8 lanes and a fixed tree.
+ffi::Error RmsNormCpu(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y, float eps) {
+  NormDims d;
+  if (auto e = check_rms_norm(x, w, *y, &d); e.failure()) return e;
+  const auto* wp = static_cast<const float*>(w.untyped_data());
+  auto* yp = static_cast<float*>(y->untyped_data());
+  visit_float(x.element_type(), [&](auto xt) {
+    using XT = decltype(xt);
+    const auto* xp = static_cast<const XT*>(x.untyped_data());
+    for (int64_t t = 0; t < d.T; ++t) {
+      const XT* row = xp + t * d.K;
+      const float r = 1.0f / std::sqrt(dot8(row, row, d.K) / (float)d.K + eps);
+      for (int64_t i = 0; i < d.K; ++i) yp[t * d.K + i] = to_float(row[i]) * r * wp[i];
+    }
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace dspark
 
@@ -255,5 +273,10 @@ DSPARK_EXPORT XLA_FFI_Error* DsparkIndexerTopkCpu(XLA_FFI_CallFrame*);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DsparkIndexerTopkCpu, dspark::IndexerTopkCpu,
                               ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>());
+
+DSPARK_EXPORT XLA_FFI_Error* DsparkRmsNormCpu(XLA_FFI_CallFrame*);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DsparkRmsNormCpu, dspark::RmsNormCpu,
+                              ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()
+                                  .Attr<float>("eps"));
 
 DSPARK_DEFINE_PLUGIN_INFO

@@ -121,6 +121,25 @@ inline ffi::Error check_hc_post(const ffi::AnyBuffer& block_out, const ffi::AnyB
   return ffi::Error::Success();
 }
 
+// RMSNorm: x [T, K] (f32 | bf16), w [K] (f32), y [T, K] (f32).
+struct NormDims {
+  int64_t T = 0, K = 0;
+};
+
+inline ffi::Error check_rms_norm(const ffi::AnyBuffer& x, const ffi::AnyBuffer& w, const ffi::AnyBuffer& y,
+                                 NormDims* d) {
+  const auto xd = x.dimensions();
+  if (xd.size() != 2 || (x.element_type() != ffi::DataType::F32 && x.element_type() != ffi::DataType::BF16))
+    return arg_error("rms_norm: x must be float32 or bfloat16 [T, K]");
+  d->T = xd[0];
+  d->K = xd[1];
+  if (w.element_type() != ffi::DataType::F32 || (int64_t)w.element_count() != d->K)
+    return arg_error("rms_norm: w must be float32 [K] with the K of x");
+  if (y.element_type() != ffi::DataType::F32 || (int64_t)y.element_count() != d->T * d->K)
+    return arg_error("rms_norm: y must be float32 [T, K]");
+  return ffi::Error::Success();
+}
+
 // Calls f(T{}) with T = float, bf16_t or f16_t for the buffer's element type.
 template <class F>
 void visit_float(ffi::DataType t, F&& f) {

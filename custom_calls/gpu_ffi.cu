@@ -87,15 +87,37 @@ __device__ int next_expert_cols(const int32_t* ids, int32_t e, int topk, int P, 
   return shared->ncols;
 }
 
-// MoE: whether slot p is the first slot choosing its expert (the CTAs of later slots leave the expert to it).
-// The lanes of each warp compare 32 earlier slots at once: a slot-by-slot loop made every CTA of a repeated slot
-// wait on one dependent load per earlier slot before exiting, work growing as the square of the slots.
-__device__ bool first_slot_of_expert(const int32_t* ids, int p) {
+// MoE: whether slot p is the first slot from `from` on choosing its expert (the CTAs of later slots leave the
+// expert to it). The lanes of each warp compare 32 earlier slots at once: a slot-by-slot loop made every CTA of a
+// repeated slot wait on one dependent load per earlier slot before exiting, work growing as the square of the slots.
+__device__ bool first_slot_of_expert(const int32_t* ids, int from, int p) {
   const int lane = threadIdx.x % kLanes;
   const int32_t e = ids[p];
-  for (int q0 = 0; q0 < p; q0 += kLanes)
+  for (int q0 = from; q0 < p; q0 += kLanes)
     if (gpu_any(q0 + lane < p && ids[q0 + lane] == e)) return false;
   return true;
+}
+
+// MoE, window mode: the first slot of [from, end) whose bit in `done` (bit i: slot base + i) is clear, or `end`;
+// found by warp 0, 32 slots per step, and returned to every thread of the CTA.
+__device__ int next_unserved_slot(const uint32_t* done, int base, int from, int end, int* shared_next) {
+  if (threadIdx.x < kLanes) {
+    const int lane = threadIdx.x;
+    int found = end;
+    for (int q0 = from; q0 < end; q0 += kLanes) {
+      const int i = q0 + lane - base;
+      const uint32_t open = gpu_ballot(q0 + lane < end && !((done[i / 32] >> (i % 32)) & 1u));
+      if (open != 0u) {
+        found = q0 + __ffs((int)open) - 1;
+        break;
+      }
+    }
+    if (lane == 0) *shared_next = found;
+  }
+  __syncthreads();
+  const int next = *shared_next;
+  __syncthreads();  // every thread has read it before warp 0 writes the next one
+  return next;
 }
 
 // 8 consecutive activations as float (p is 16-byte aligned: K is a multiple of 8).
@@ -243,26 +265,23 @@ __global__ void __launch_bounds__(kWarps * kLanes) qmatmul_kernel(const uint8_t*
   rows_times_cols<Fmt, XT, NC>(w, N, K, row_bytes, S, (int64_t)blockIdx.x * (kWarps / S), x, y, cols, smem, partial);
 }
 
-// MoE: CTA (row tile, slot p) serves expert ids[p] only if p is that expert's first slot, then loops over all
-// slots choosing it, 8 at a time: each selected expert's rows are read once per call.
+// MoE: the slots of [start, end) choosing expert e times the CTA's rows [row0, row0 + kWarps/S), kMaxCols slots
+// per pass (zero rows for an id outside [0, E)); `done`, if given (bit i: slot base + i), gets every served slot's
+// bit set. Each column goes through rows_times_cols alone, so its bits do not depend on which
+// pass, CTA or column position serves it.
 template <class Fmt, class XT>
-__global__ void __launch_bounds__(kWarps * kLanes) qmatmul_id_kernel(const uint8_t* __restrict__ w, const XT* __restrict__ x,
-                                                                     const int32_t* __restrict__ ids, float* __restrict__ y,
-                                                                     int64_t E, int64_t N, int64_t K, int64_t row_bytes,
-                                                                     int topk, int P, int S) {
-  __shared__ __align__(16) uint8_t smem[kWarps * ((kChunkBytes<Fmt> + 15) / 16 * 16)];
-  __shared__ float partial[kWarps * kMaxCols];
-  __shared__ ColTable s_cols;
-  __shared__ int s_next;
-  const int p = blockIdx.y;
-  if (!first_slot_of_expert(ids, p)) return;
-  const int32_t e = ids[p];
-  const int64_t row0 = (int64_t)blockIdx.x * (kWarps / S);
+__device__ void serve_expert(const uint8_t* w, const XT* x, const int32_t* ids, float* y, int64_t E, int64_t N,
+                             int64_t K, int64_t row_bytes, int topk, int S, int64_t row0, int32_t e, int start, int end,
+                             uint32_t* done, int base, uint8_t* smem, float* partial, ColTable* s_cols, int* s_next) {
   const bool valid = e >= 0 && e < E;
   const uint8_t* we = w + (valid ? e : 0) * N * row_bytes;
-  for (int start = p; start < P; __syncthreads()) {
-    if (next_expert_cols(ids, e, topk, P, kMaxCols, &start, &s_cols, &s_next) == 0) break;
-    const ColTable cols = s_cols;
+  while (start < end) {
+    if (next_expert_cols(ids, e, topk, end, kMaxCols, &start, s_cols, s_next) == 0) break;
+    const ColTable cols = *s_cols;
+    if (done != nullptr && (int)threadIdx.x < cols.ncols) {
+      const int i = cols.y_row[threadIdx.x] - base;
+      atomicOr(&done[i / 32], 1u << (i % 32));
+    }
     if (!valid) {
       for (int i = threadIdx.x; i < cols.ncols * (kWarps / S); i += blockDim.x) {
         const int64_t nn = row0 + i / cols.ncols;
@@ -273,6 +292,47 @@ __global__ void __launch_bounds__(kWarps * kLanes) qmatmul_id_kernel(const uint8
         rows_times_cols<Fmt, XT, decltype(nc)::value>(we, N, K, row_bytes, S, row0, x, y, cols, smem, partial);
       });
     }
+    __syncthreads();  // the pass's columns are read before warp 0 builds the next table
+  }
+}
+
+// Window mode's most slots per window (a bit per slot in shared memory marks the served ones).
+constexpr int kMaxMoeWindow = 2048;
+
+// MoE. The P slots are cut into windows of `window` consecutive slots; an expert's rows are read once per window
+// that chooses it, and its slots there are served kMaxCols per pass (serve_expert), on CTAs (row tile, ...):
+//   slot mode (per_slot, grid y = P): CTA (tile, p) serves expert ids[p] if p is its first slot in p's window,
+//     and exits otherwise: experts served side by side, for slots choosing many different experts;
+//   window mode (grid y = windows): CTA (tile, w) serves every expert of window w, in the order of their first
+//     slots: the passes of one expert chosen by a long run of slots (attention's keys of a sequence, `rowwise`)
+//     spread over the windows' CTAs instead of running one after another on one CTA.
+// Which CTA serves a slot never changes its bits (serve_expert), so the launcher picks the layout for speed.
+template <class Fmt, class XT>
+__global__ void __launch_bounds__(kWarps * kLanes) qmatmul_id_kernel(const uint8_t* __restrict__ w, const XT* __restrict__ x,
+                                                                     const int32_t* __restrict__ ids, float* __restrict__ y,
+                                                                     int64_t E, int64_t N, int64_t K, int64_t row_bytes,
+                                                                     int topk, int P, int S, int window, bool per_slot) {
+  __shared__ __align__(16) uint8_t smem[kWarps * ((kChunkBytes<Fmt> + 15) / 16 * 16)];
+  __shared__ float partial[kWarps * kMaxCols];
+  __shared__ ColTable s_cols;
+  __shared__ int s_next;
+  __shared__ uint32_t s_done[kMaxMoeWindow / 32];
+  const int64_t row0 = (int64_t)blockIdx.x * (kWarps / S);
+  if (per_slot) {
+    const int p = blockIdx.y, from = p / window * window;
+    if (!first_slot_of_expert(ids, from, p)) return;
+    serve_expert<Fmt, XT>(w, x, ids, y, E, N, K, row_bytes, topk, S, row0, ids[p], p, min(from + window, P), nullptr,
+                          0, smem, partial, &s_cols, &s_next);
+    return;
+  }
+  const int from = (int)blockIdx.y * window, end = min(from + window, P);
+  for (int i = threadIdx.x; i < kMaxMoeWindow / 32; i += blockDim.x) s_done[i] = 0u;
+  __syncthreads();
+  for (int lead = from;;) {
+    lead = next_unserved_slot(s_done, from, lead, end, &s_next);
+    if (lead >= end) break;
+    serve_expert<Fmt, XT>(w, x, ids, y, E, N, K, row_bytes, topk, S, row0, ids[lead], lead, end, s_done, from, smem,
+                          partial, &s_cols, &s_next);
   }
 }
 
@@ -326,6 +386,35 @@ ffi::Error QMatmulGpu(gpuStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ff
   return launch_error();
 }
 
+// Resident CTAs of the float path's MoE kernel kKernel on the current device (host-side, once per kernel).
+template <auto kKernel>
+int64_t moe_resident_ctas() {
+  static const int64_t ctas = [] {
+    int per_sm = 0;
+    (void)gpuOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, kWarps * kLanes, 0);
+    return (int64_t)std::max(per_sm, 1) * i8::sm_count();
+  }();
+  return ctas;
+}
+
+// The float path's MoE layout (qmatmul_id_kernel). Window mode for calls of one id per row, no declared groups and
+// at least kMaxCols rows per expert on average: `rowwise` products, whose rows choose their sequence's (or row's)
+// keys in long runs, e.g. 384 rows per sequence in attention at width 6; the windows are the fewest that still
+// fill tuning::kMoeWindowWaves waves of resident CTAs, each a power-of-two multiple of kMaxCols slots. Otherwise
+// slot mode over one window of all P slots: each expert's rows read once per call by the CTAs of its first slot.
+struct MoeLayout {
+  int window;
+  bool per_slot;
+  unsigned grid_y;
+};
+inline MoeLayout moe_layout(int64_t P, int64_t k, int64_t E, int32_t groups, int64_t tiles, int64_t resident) {
+  if (k != 1 || groups > 0 || E <= 0 || P < kMaxCols * E) return {(int)P, true, (unsigned)P};
+  int64_t window = kMaxCols;
+  while (window < kMaxMoeWindow && window < P && tiles * ((P + window - 1) / window) > tuning::kMoeWindowWaves * resident)
+    window *= 2;
+  return {(int)window, false, (unsigned)((P + window - 1) / window)};
+}
+
 template <class XT>
 void launch_qmatmul_id(gpuStream_t stream, const QDims& d, int32_t type, MmaMode mma, const uint8_t* w, const void* x,
                        const int32_t* ids, int32_t groups, float* y) {
@@ -335,11 +424,12 @@ void launch_qmatmul_id(gpuStream_t stream, const QDims& d, int32_t type, MmaMode
     return;
   const auto* xp = static_cast<const XT*>(x);
   const int S = k_split(d.K);
-  const int P = (int)(d.T * d.k);
-  const dim3 grid((unsigned)((d.N + kWarps / S - 1) / (kWarps / S)), (unsigned)P);
+  const int64_t P = d.T * d.k, tiles = (d.N + kWarps / S - 1) / (kWarps / S);
   visit_format(type, [&](auto fmt) {
-    qmatmul_id_kernel<decltype(fmt), XT><<<grid, kWarps * kLanes, 0, stream>>>(w, xp, ids, y, d.E, d.N, d.K,
-                                                                                 d.row_bytes, (int)d.k, P, S);
+    constexpr auto kKernel = qmatmul_id_kernel<decltype(fmt), XT>;
+    const MoeLayout lay = moe_layout(P, d.k, d.E, groups, tiles, moe_resident_ctas<kKernel>());
+    kKernel<<<dim3((unsigned)tiles, lay.grid_y), kWarps * kLanes, 0, stream>>>(
+        w, xp, ids, y, d.E, d.N, d.K, d.row_bytes, (int)d.k, (int)P, S, lay.window, lay.per_slot);
   });
 }
 
@@ -581,6 +671,47 @@ ffi::Error HcPostGpu(gpuStream_t stream, ffi::AnyBuffer block_out, ffi::AnyBuffe
   return launch_error();
 }
 
+// ---- RMSNorm ----
+constexpr int kNormWarps = 8;
+
+// One warp per row: lane l sums x[l + 32j]² in j order (fp32 FMAs), then the fixed butterfly (every lane gets
+// the same bits); y = (x · r) · w with r = 1 / sqrt(Σ / K + eps). A row's arithmetic depends on K alone.
+template <class XT>
+__global__ void __launch_bounds__(kNormWarps * kLanes) rms_norm_kernel(const XT* __restrict__ x,
+                                                                       const float* __restrict__ w,
+                                                                       float* __restrict__ y, int64_t T, int64_t K,
+                                                                       float eps) {
+  const int lane = threadIdx.x % kLanes;
+  const int64_t t = (int64_t)blockIdx.x * kNormWarps + threadIdx.x / kLanes;
+  if (t >= T) return;  // the whole warp: t is per warp
+  const XT* row = x + t * K;
+  float acc = 0.0f;
+  for (int64_t i = lane; i < K; i += kLanes) {
+    const float v = to_float(row[i]);
+    acc = __fmaf_rn(v, v, acc);
+  }
+  int index = 0;
+  const float ss = warp_sums<1>(&acc, lane, index);
+  const float r = __frcp_rn(__fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)K), eps)));
+  for (int64_t i = lane; i < K; i += kLanes) y[t * K + i] = __fmul_rn(__fmul_rn(to_float(row[i]), r), w[i]);
+}
+
+ffi::Error RmsNormGpu(gpuStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y,
+                      float eps) {
+  NormDims d;
+  if (auto e = check_rms_norm(x, w, *y, &d); e.failure()) return e;
+  if (d.T == 0 || d.K == 0) return ffi::Error::Success();
+  const dim3 grid((unsigned)((d.T + kNormWarps - 1) / kNormWarps));
+  const auto* wp = static_cast<const float*>(w.untyped_data());
+  auto* yp = static_cast<float*>(y->untyped_data());
+  visit_float(x.element_type(), [&](auto xt) {
+    using XT = decltype(xt);
+    rms_norm_kernel<XT><<<grid, kNormWarps * kLanes, 0, stream>>>(static_cast<const XT*>(x.untyped_data()), wp, yp,
+                                                                  d.T, d.K, eps);
+  });
+  return launch_error();
+}
+
 }  // namespace
 }  // namespace dspark
 
@@ -622,6 +753,12 @@ DSPARK_EXPORT XLA_FFI_Error* DSPARK_GPU_SYMBOL(DsparkIndexerTopk)(XLA_FFI_CallFr
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DSPARK_GPU_SYMBOL(DsparkIndexerTopk), dspark::IndexerTopkGpu,
                               DSPARK_GPU_BIND.Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>(),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+DSPARK_EXPORT XLA_FFI_Error* DSPARK_GPU_SYMBOL(DsparkRmsNorm)(XLA_FFI_CallFrame*);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DSPARK_GPU_SYMBOL(DsparkRmsNorm), dspark::RmsNormGpu,
+                              DSPARK_GPU_BIND.Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()
+                                  .Attr<float>("eps"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 DSPARK_DEFINE_PLUGIN_INFO

@@ -33,4 +33,9 @@ inline constexpr int64_t kMoeExtraPasses = 0;    // the MoE kernel's passes run 
 // (docs/kernels.md#tuning-moe-grid).
 inline constexpr int64_t kExpertMajorWaves = 2;
 
+// The float path's MoE kernel in window mode (long runs of rows per expert, attention's `rowwise` products): its
+// windows of slots no smaller than it takes to fill this many waves of resident CTAs, so an expert's rows are read
+// again per window only where the device has room for it (docs/kernels.md#tuning-float-moe-windows).
+inline constexpr int64_t kMoeWindowWaves = 2;
+
 }  // namespace dspark::tuning

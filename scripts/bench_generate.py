@@ -11,6 +11,9 @@ A/B on the same numbers), then for the same random prompts measures:
   contractions: the program exact mode ran before issue 42 made steps batch invariant);
 - speculative decoding with an oracle proposer at a chosen acceptance rate (the drafter's quality is not
   what is measured here: the verify economics are), exact and fast, and with the random DSpark drafter;
+- the exact mode before issue 42 (`old_exact`): every step through the width-`--q` program with XLA's own
+  contractions, plain decoding as that program with every candidate wrong (the padding rows) and speculative
+  decoding with the oracle on that program's own tokens;
 - exactness: exact-mode speculative tokens == plain exact tokens for every prompt; the fast mode's mismatch
   rate against plain decoding;
 - tok/s of the best of `--reps` runs (each run's time is kept: single runs are noisy), the speculative/plain
@@ -66,6 +69,10 @@ _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "> 0: every run samples (p
 _REPS = flags.DEFINE_integer("reps", 3, "Timed runs of each configuration (bench_step.py: of each width); the "
                              "best is reported, with the spread (single runs on one GPU vary by up to 1.6x).")
 _OUTPUT = flags.DEFINE_string("output", None, "Write the results as JSON here.")
+RUNS = ("plain_exact", "plain_fast", "spec_exact", "spec_fast", "dspark_exact", "old_exact")
+_RUNS = flags.DEFINE_list("runs", ["plain_exact", "plain_fast", "spec_exact", "spec_fast", "dspark_exact"],
+                          f"Which configurations to time, of {', '.join(RUNS)} (plain_exact always runs: the "
+                          "oracle proposes its tokens).")
 
 
 def wide_target() -> TargetConfig:
@@ -162,55 +169,83 @@ def main(argv: list[str]) -> None:
     kw = dict(stop_tokens=(), temperature=_TEMPERATURE.value, seed=0)
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, {_CONFIG.value} model, {_DTYPE.value}, "
           f"recipe {_RECIPE.value} ({target.kernels} matrices), {len(prompts)} prompts x {_MAX_NEW.value} tokens")
-    ar_exact = timed("plain, exact program", lambda n: generate(target, prompts, drafter=drafter,
-                                                                               mode="ar", max_new_tokens=n, **kw))
-    ar_fast = timed("plain, width-1 program", lambda n: generate(target, prompts, drafter=drafter,
-                                                                               mode="ar", verify="fast",
-                                                                               max_new_tokens=n, **kw))
+    runs = set(_RUNS.value) | {"plain_exact"}
+    if runs - set(RUNS):
+        raise app.UsageError(f"--runs: unknown {sorted(runs - set(RUNS))}; choose from {', '.join(RUNS)}")
     width = int(_WIDTH.value) if _WIDTH.value.isdigit() else _WIDTH.value
+    timings: dict[str, Timing] = {}
+    timings["plain_exact"] = ar_exact = timed("plain, exact program", lambda n: generate(
+        target, prompts, drafter=drafter, mode="ar", max_new_tokens=n, **kw))
+    if "plain_fast" in runs:
+        timings["plain_fast"] = timed("plain, width-1 program", lambda n: generate(
+            target, prompts, drafter=drafter, mode="ar", verify="fast", max_new_tokens=n, **kw))
     oracle = oracle_for(prompts, ar_exact.results, cfg.vocab_size, wrong_rate=1 - _ACCEPT.value, seed=1,
                         capture_layers=drafter.capture_layers)
-    spec_exact = timed("spec oracle, exact", lambda n: generate(target, prompts, drafter=oracle,
-                                                                             width=width, max_new_tokens=n, **kw))
-    oracle_fast = oracle_for(prompts, ar_fast.results, cfg.vocab_size, wrong_rate=1 - _ACCEPT.value, seed=1,
+    if "spec_exact" in runs:
+        timings["spec_exact"] = timed("spec oracle, exact", lambda n: generate(
+            target, prompts, drafter=oracle, width=width, max_new_tokens=n, **kw))
+    if "spec_fast" in runs:
+        reference = timings.get("plain_fast", ar_exact).results
+        oracle_fast = oracle_for(prompts, reference, cfg.vocab_size, wrong_rate=1 - _ACCEPT.value, seed=1,
+                                 capture_layers=drafter.capture_layers)
+        timings["spec_fast"] = timed("spec oracle, fast", lambda n: generate(
+            target, prompts, drafter=oracle_fast, width=width, verify="fast", max_new_tokens=n, **kw))
+    if "old_exact" in runs:  # every step through one width-q program of XLA's contractions (before issue 42)
+        if not isinstance(width, int):
+            raise app.UsageError("--runs old_exact needs a fixed --q: the old exact mode's one program width")
+        padding = oracle_for(prompts, ar_exact.results, cfg.vocab_size, wrong_rate=1.0, seed=1,
                              capture_layers=drafter.capture_layers)
-    spec_fast = timed("spec oracle, fast", lambda n: generate(target, prompts, drafter=oracle_fast,
-                                                                          width=width, verify="fast",
-                                                                          max_new_tokens=n, **kw))
-    dspark = timed("spec DSpark (random), exact", lambda n: generate(target, prompts, drafter=drafter,
-                                                                               max_new_tokens=n, **kw))
-    lossless = None
+        timings["plain_old_exact"] = old_plain = timed(f"plain, old exact (width {width})", lambda n: generate(
+            target, prompts, drafter=padding, width=width, verify="fast", max_new_tokens=n, **kw))
+        oracle_old = oracle_for(prompts, old_plain.results, cfg.vocab_size, wrong_rate=1 - _ACCEPT.value, seed=1,
+                                capture_layers=drafter.capture_layers)
+        timings["spec_old_exact"] = timed("spec oracle, old exact", lambda n: generate(
+            target, prompts, drafter=oracle_old, width=width, verify="fast", max_new_tokens=n, **kw))
+    if "dspark_exact" in runs:
+        timings["dspark_exact"] = timed("spec DSpark (random), exact", lambda n: generate(
+            target, prompts, drafter=drafter, max_new_tokens=n, **kw))
     if _TEMPERATURE.value > 0:
-        lossless = timed("spec oracle, lossless", lambda n: generate(target, prompts, drafter=oracle, width=width,
-                                                                      verify="lossless", max_new_tokens=n, **kw))
+        timings["spec_lossless"] = timed("spec oracle, lossless", lambda n: generate(
+            target, prompts, drafter=oracle, width=width, verify="lossless", max_new_tokens=n, **kw))
     bw = copy_bandwidth(256, 10)
-    tokens = sum(len(r.token_ids) for r in ar_fast.results)
-    steps_ar = max(r.steps for r in ar_fast.results)
+    tokens = sum(len(r.token_ids) for r in ar_exact.results)
+    plain = timings.get("plain_fast", ar_exact)
+    steps_ar = max(r.steps for r in plain.results)
     roofline_step = step_weight_bytes(target) / bw
-    timings = dict(plain_exact=ar_exact, plain_fast=ar_fast, spec_exact=spec_exact, spec_fast=spec_fast,
-                   dspark_exact=dspark)
-    if lossless is not None:
-        timings["spec_lossless"] = lossless
+    tok_s = {name: tokens / t.best for name, t in timings.items()}
     summary = dict(
         device=jax.devices()[0].device_kind, jax=jax.__version__, config=_CONFIG.value, dtype=_DTYPE.value,
         recipe=_RECIPE.value, kernels=target.kernels, reps=_REPS.value, temperature=_TEMPERATURE.value,
         prompts=len(prompts), max_new_tokens=_MAX_NEW.value, acceptance_target=_ACCEPT.value, q=_WIDTH.value,
         copy_bandwidth_gbs=bw / 1e9, step_weight_mb=step_weight_bytes(target) / 1e6,
-        exact_spec_equals_plain=same_tokens(spec_exact.results, ar_exact.results),
-        dspark_exact_equals_plain=same_tokens(dspark.results, ar_exact.results),
-        fast_spec_vs_fast_plain_mismatch=mismatch_rate(spec_fast.results, ar_fast.results),
-        fast_plain_vs_exact_plain_mismatch=mismatch_rate(ar_fast.results, ar_exact.results),
-        oracle_matched_per_offered=(sum(r.matched for r in spec_exact.results)
-                                    / max(1, sum(r.offered for r in spec_exact.results))),
-        mean_accepted_tokens_per_step=(sum(r.matched + r.steps for r in spec_exact.results)
-                                       / sum(r.steps for r in spec_exact.results)),
-        tok_s={name: tokens / t.best for name, t in timings.items()},
-        decode_seconds={name: t.seconds for name, t in timings.items()},
-        plain_fast_step_ms=ar_fast.best / steps_ar * 1e3, roofline_step_ms=roofline_step * 1e3,
+        tok_s=tok_s, decode_seconds={name: t.seconds for name, t in timings.items()},
+        ms_per_step={name: t.best / max(max(r.steps for r in t.results), 1) * 1e3 for name, t in timings.items()},
+        roofline_step_ms=roofline_step * 1e3,
     )
-    summary["spec_exact_over_plain_fast"] = summary["tok_s"]["spec_exact"] / summary["tok_s"]["plain_fast"]
-    summary["spec_fast_over_plain_fast"] = summary["tok_s"]["spec_fast"] / summary["tok_s"]["plain_fast"]
-    summary["plain_fast_roofline_fraction"] = summary["roofline_step_ms"] / summary["plain_fast_step_ms"]
+    for name, key in (("spec_exact", "exact_spec_equals_plain"), ("dspark_exact", "dspark_exact_equals_plain")):
+        if name in timings:
+            summary[key] = same_tokens(timings[name].results, ar_exact.results)
+    if "spec_exact" in timings:
+        spec = timings["spec_exact"].results
+        summary["oracle_matched_per_offered"] = sum(r.matched for r in spec) / max(1, sum(r.offered for r in spec))
+        summary["mean_accepted_tokens_per_step"] = sum(r.matched + r.steps for r in spec) / sum(r.steps for r in spec)
+    if "plain_fast" in timings:
+        summary["fast_plain_vs_exact_plain_mismatch"] = mismatch_rate(timings["plain_fast"].results, ar_exact.results)
+        summary["plain_fast_step_ms"] = plain.best / steps_ar * 1e3
+        summary["plain_exact_over_plain_fast_step"] = (summary["ms_per_step"]["plain_exact"]
+                                                       / summary["ms_per_step"]["plain_fast"])
+        summary["plain_fast_roofline_fraction"] = summary["roofline_step_ms"] / summary["plain_fast_step_ms"]
+        for name in ("spec_exact", "spec_fast"):
+            if name in tok_s:
+                summary[f"{name}_over_plain_fast"] = tok_s[name] / tok_s["plain_fast"]
+    if "spec_fast" in timings and "plain_fast" in timings:
+        summary["fast_spec_vs_fast_plain_mismatch"] = mismatch_rate(timings["spec_fast"].results,
+                                                                    timings["plain_fast"].results)
+    if "spec_old_exact" in timings:
+        summary["old_exact_spec_equals_old_plain"] = same_tokens(timings["spec_old_exact"].results,
+                                                                 timings["plain_old_exact"].results)
+        if "spec_exact" in tok_s:
+            summary["spec_exact_over_spec_old_exact"] = tok_s["spec_exact"] / tok_s["spec_old_exact"]
     print(json.dumps(summary, indent=1))
     if _OUTPUT.value:
         with open(_OUTPUT.value, "w") as f:

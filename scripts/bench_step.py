@@ -11,8 +11,9 @@ first call to the last result, the fastest of `--reps`. That is the device progr
 generation's ms/step (bench_generate.py) adds its host loop to it (accept, commit, the next tokens). With
 `--trace`, one more run of each width under the profiler gives the device's busy fraction, the kernels per
 step and the gaps between them (profile_generate.py's summary), which tell a launch-bound step from a
-compute-bound one. XLA_FLAGS apply as usual, so flags that change how steps launch can be compared in one
-device call.
+compute-bound one. `--programs invariant,fast` times exact decoding's batch-invariant step and then XLA's
+own (fast mode's) on the same model. XLA_FLAGS apply as usual, so flags that change how steps launch can be
+compared in one device call.
 
 `--cases CONTEXT:CAPACITY,...` times each width in states of each capacity whose last step row sees CONTEXT
 tokens (length CONTEXT − q), and prints each case's time against the first case of the same context:
@@ -38,6 +39,9 @@ from dsparkjax.model.state import init_state
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("widths", ["1", "6"], "step widths q to time")
+flags.DEFINE_list("programs", ["invariant"], "which step programs to time, one after the other on the same model: "
+                  "invariant (exact decoding's batch-invariant step, where the target can run it) and/or fast "
+                  "(XLA's own contractions)")
 flags.DEFINE_integer("steps", 32, "steps per timed run")
 # --reps (timed runs per width; the fastest is reported) is bench_generate's flag, defined with bench_model's.
 flags.DEFINE_integer("context", 256, "state capacity in tokens (the cache sizes)")
@@ -85,15 +89,27 @@ def run_steps(step, params, state, tokens: jax.Array, n: int):
 def main(argv: list[str]) -> None:
     del argv
     logging.set_verbosity(logging.WARNING)
+    bad = set(FLAGS.programs) - {"invariant", "fast"}
+    if bad:
+        raise app.UsageError(f"--programs: {sorted(bad)} are not invariant or fast")
+    cases = parse_cases(FLAGS.cases) or [(None, FLAGS.context)]
     target, _, prompts = bench_model()
     cfg, batch = target.config, len(prompts)
-    options = target.options()
-    if FLAGS.indexer != "auto":
-        options = dataclasses.replace(options, policy=dataclasses.replace(options.policy, indexer_backend=FLAGS.indexer))
-    step = step_program(cfg, options)
-    print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, {FLAGS.config} model, {FLAGS.dtype}, "
-          f"recipe {FLAGS.recipe} ({target.kernels} matrices, {options.policy.indexer_backend} indexer), batch {batch}")
-    cases = parse_cases(FLAGS.cases) or [(None, FLAGS.context)]
+    for program in FLAGS.programs:
+        options = target.options(invariant=program == "invariant")
+        if FLAGS.indexer != "auto":
+            policy = dataclasses.replace(options.policy, indexer_backend=FLAGS.indexer)
+            options = dataclasses.replace(options, policy=policy)
+        print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, {FLAGS.config} model, {FLAGS.dtype}, "
+              f"recipe {FLAGS.recipe} ({target.kernels} matrices, {options.policy.indexer_backend} indexer), batch "
+              f"{batch}, {'batch-invariant' if options.policy.invariant else 'fast (XLA contractions)'} step")
+        time_widths(target, step_program(cfg, options), batch, cases)
+
+
+def time_widths(target, step, batch: int, cases: list[tuple[int | None, int]]) -> None:
+    """Print the ms per step of the compiled `step` of `target` for `batch` sequences at each --widths width and
+    each (context, capacity) case."""
+    cfg = target.config
     for q in (int(w) for w in FLAGS.widths):
         rng = np.random.default_rng(q)
         tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, q)), jnp.int32)

@@ -40,11 +40,12 @@ def _rows_alone(f, x: np.ndarray) -> np.ndarray:
 @settings(max_examples=8, deadline=None, derandomize=True)
 @given(rows=st.integers(1, 40), k=st.integers(1, 300), seed=st.integers(0, 100))
 def test_rowwise_ops_give_each_row_its_one_row_bits(rows, k, seed):
-    """row_sum and matmul (f32 and bf16 weights) of T rows == the same rows computed alone."""
+    """row_sum, rms_norm and matmul (f32 and bf16 weights) of T rows == the same rows computed alone."""
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(rows, k)).astype(np.float32)
     w = rng.normal(size=(24, k)).astype(np.float32)
-    for f in (jax.jit(rowwise.row_sum), jax.jit(lambda a: rowwise.matmul(a, jnp.asarray(w))),
+    for f in (jax.jit(rowwise.row_sum), jax.jit(lambda a: rowwise.rms_norm(a, None, 1e-6)),
+              jax.jit(lambda a: rowwise.matmul(a, jnp.asarray(w))),
               jax.jit(lambda a: rowwise.matmul(a, jnp.asarray(w, jnp.bfloat16)))):
         chex.assert_trees_all_equal(np.asarray(f(jnp.asarray(x))), _rows_alone(f, x))
 
@@ -60,6 +61,18 @@ def test_grouped_rows_do_not_depend_on_the_other_groups():
         alone = np.asarray(f(jnp.asarray(x[g : g + 1, :3]), jnp.asarray(w[g : g + 1])))
         chex.assert_trees_all_equal(full[g, :3], alone[0])
     np.testing.assert_allclose(full, np.einsum("gmk,gnk->gmn", x, w), rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=8, deadline=None, derandomize=True)
+@given(rows=st.integers(1, 40), n=st.integers(1, 16), seed=st.integers(0, 100))
+def test_tree_sum_gives_each_row_its_one_row_bits(rows, n, seed):
+    """The invariant sums over short axes (reduce.tree_sum, fused by XLA) keep each row's bits, and are sums."""
+    from dsparkjax.model import reduce
+
+    x = np.random.default_rng(seed).normal(size=(rows, n, 3)).astype(np.float32)
+    f = jax.jit(lambda a: reduce.tree_sum(a, 1))
+    chex.assert_trees_all_equal(np.asarray(f(jnp.asarray(x))), _rows_alone(f, x))
+    np.testing.assert_allclose(np.asarray(f(jnp.asarray(x))), x.sum(axis=1), rtol=1e-5, atol=1e-5)
 
 
 def test_bit_differences_counts_bits():

@@ -22,6 +22,7 @@ from dsparkjax import formats, kernels
 from dsparkjax.errors import DsparkError, FormatError, UnsupportedTypeError
 from dsparkjax.testing import timing
 from dsparkjax.formats import GGMLType, block_size, type_size
+from dsparkjax.kernels import rowwise
 from dsparkjax.model import hc as hc_ref
 from dsparkjax.testing import synthetic, timing
 
@@ -363,6 +364,65 @@ def test_qmatmul_long_rows(device, ggml_type):
     np.testing.assert_array_equal(np.asarray(_qmatmul(xd[1:2], wd, ggml_type, "ffi")), got[1:2])
 
 
+# --------------------------------------------------------------------------- attention's products on the float path
+def _attention_products(x: jax.Array, keys_w: jax.Array, keys_c: jax.Array, picks: jax.Array, probs_w: jax.Array,
+                        probs_c: jax.Array, probs_p: jax.Array) -> tuple[jax.Array, ...]:
+    """An invariant step's attention products (model/block.py `attend`) as `rowwise.grouped_rows` MoE calls, for
+    B sequences of q rows of H heads: queries x `[B, q, H, d]` against each sequence's window keys `[B, 128, d]`
+    and compressed entries `[B, C, d]` and each row's CSA picks `[B, q, P, d]`, and the probabilities `[B, q, H, ·]`
+    against the same keys transposed (K = V). Returns the six float32 results, heads as rows."""
+    b, q, h, d = x.shape
+    seq = lambda a: a.reshape(b, q * h, a.shape[-1])  # noqa: E731 (one group per sequence)
+    row = lambda a: a.reshape(b * q, h, a.shape[-1])  # noqa: E731 (one group per step row)
+    per_row_keys = picks.reshape(b * q, *picks.shape[2:])
+    return (rowwise.grouped_rows(seq(x), keys_w), rowwise.grouped_rows(seq(x), keys_c),
+            rowwise.grouped_rows(row(x), per_row_keys),
+            rowwise.grouped_rows(seq(probs_w), jnp.swapaxes(keys_w, 1, 2)),
+            rowwise.grouped_rows(seq(probs_c), jnp.swapaxes(keys_c, 1, 2)),
+            rowwise.grouped_rows(row(probs_p), jnp.swapaxes(per_row_keys, 1, 2)))
+
+
+@pytest.mark.gpu
+def test_gpu_attention_products_keep_each_rows_bits(gpu_device):
+    """The invariant step's attention products at DS4's attention shapes (64 heads of 512, a 128-row window, 64
+    compressed entries, 512 CSA picks per row) on the GPU's float MoE path: every row has the same bits at widths
+    1..6 and batches 1, 3 and 8, with its sequences in reverse order, and computed alone (a one-row call, which the
+    kernel serves in slot mode where the long runs of one id take window mode), and matches numpy. The reference is
+    the device's own width-6, batch-8 call: its float path sums in another order than the CPU kernel's 8 lanes."""
+    rng = np.random.default_rng(42)
+    bmax, qmax, h, d, win, comp, npick = 8, 6, 64, 512, 128, 64, 512
+    f32 = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
+    x, keys_w, keys_c, picks = f32(bmax, qmax, h, d), f32(bmax, win, d), f32(bmax, comp, d), f32(bmax, qmax, npick, d)
+    probs = f32(bmax, qmax, h, win), f32(bmax, qmax, h, comp), f32(bmax, qmax, h, npick)
+    f = jax.jit(_attention_products)
+
+    def call(b: int, q: int, order: np.ndarray | None = None) -> list[np.ndarray]:
+        """The six products of sequences [:b] (in `order`) at width q, as `[b, q, H, ·]`."""
+        order = np.arange(b) if order is None else order
+        cut = [x[order][:, :q], keys_w[order], keys_c[order], picks[order][:, :q], *(p[order][:, :q] for p in probs)]
+        return [np.asarray(y).reshape(b, q, h, -1) for y in f(*jax.device_put(cut, gpu_device))]
+
+    full = call(bmax, qmax)
+    for b in (1, 3, 8):
+        for q in range(1, qmax + 1):
+            for i, got in enumerate(call(b, q)):
+                np.testing.assert_array_equal(got, full[i][:b, :q], err_msg=f"product {i}, batch {b}, width {q}")
+    order = np.arange(bmax)[::-1]
+    for i, got in enumerate(call(bmax, qmax, order)):
+        np.testing.assert_array_equal(got, full[i][order], err_msg=f"product {i}, sequences reversed")
+    alone = jax.jit(lambda row, keys: rowwise.grouped_rows(row[None, None], keys[None])[0, 0])
+    for b, t, head in ((0, 0, 0), (5, 3, 17), (7, 5, 63)):
+        for i, row, keys in ((0, x[b, t, head], keys_w[b]), (2, x[b, t, head], picks[b, t]),
+                             (3, probs[0][b, t, head], keys_w[b].T)):
+            got = np.asarray(alone(*jax.device_put((row, keys), gpu_device)))
+            np.testing.assert_array_equal(got, full[i][b, t, head], err_msg=f"row alone, product {i}")
+    x64 = np.asarray(x, np.float64).reshape(bmax, qmax * h, d)
+    assert_matmul_close(full[0].reshape(bmax, qmax * h, win), x64 @ np.swapaxes(keys_w, 1, 2),
+                        np.abs(x64) @ np.abs(np.swapaxes(keys_w, 1, 2)))
+    pc = np.asarray(probs[1], np.float64).reshape(bmax, qmax * h, comp)
+    assert_matmul_close(full[4].reshape(bmax, qmax * h, d), pc @ keys_c, np.abs(pc) @ np.abs(keys_c))
+
+
 # --------------------------------------------------------------------------- the GPU integer path's model
 @functools.partial(jax.jit, static_argnames=("ggml_type",))
 def _i8_model(x, w, ggml_type):
@@ -618,6 +678,27 @@ def test_hc_pre_rejects_a_missized_workspace(cpu_device):
                              hc_eps=np.float32(1e-6), norm_eps=np.float32(1e-6))
     with pytest.raises(jax.errors.JaxRuntimeError, match="hc_pre workspace must be float32"):
         jax.block_until_ready(call(*_put(cpu_device, streams, fn, base, scale)))
+
+
+# --------------------------------------------------------------------------- RMSNorm (invariant steps)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("k", [64, 200, 4096])
+def test_rms_norm_matches_jnp_and_keeps_each_rows_bits(device, dtype, k):
+    """The FFI RMSNorm equals the jnp formula (layers.rms_norm's fast route) to rounding, and every row of a call
+    of T rows has the bits it has alone or among other rows."""
+    from dsparkjax.kernels import ffi
+
+    rng = np.random.default_rng(k)
+    x = (rng.standard_normal((13, k)) * rng.uniform(0.1, 30.0, (13, 1))).astype(np.float32)
+    w = rng.uniform(0.5, 1.5, k).astype(np.float32)
+    xd, wd = jax.device_put(jnp.asarray(x, dtype), device), jax.device_put(w, device)
+    f = jax.jit(functools.partial(ffi.rms_norm, eps=1e-6))
+    full = np.asarray(f(xd, wd))
+    xf = np.asarray(jnp.asarray(x, dtype).astype(jnp.float32))
+    want = xf / np.sqrt(np.mean(xf.astype(np.float64) ** 2, axis=-1, keepdims=True) + 1e-6) * w
+    np.testing.assert_allclose(full, want, rtol=2e-6, atol=1e-6)
+    for rows in (slice(0, 1), slice(4, 5), slice(0, 3), slice(5, 13)):
+        np.testing.assert_array_equal(np.asarray(f(xd[rows], wd)), full[rows])
 
 
 # --------------------------------------------------------------------------- API behaviour

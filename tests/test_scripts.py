@@ -168,6 +168,18 @@ def test_bench_step_times_each_width_and_traces_it():
     assert len(re.findall(r"^trace of 2 steps of width \d:\n== ", proc.stdout, re.M)) == 2, proc.stdout
 
 
+def test_bench_step_times_the_invariant_and_the_fast_program():
+    """--programs invariant,fast times exact decoding's batch-invariant step, then XLA's, on the same model."""
+    proc = run_script("bench_step.py", "--config=tiny", "--dtype=float32", "--prompts=2", "--widths=1",
+                      "--steps=1", "--reps=1", "--context=64", "--programs=invariant,fast")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    kinds = re.findall(r"^device: .*, batch 2, (batch-invariant|fast \(XLA contractions\)) step$", proc.stdout, re.M)
+    assert kinds == ["batch-invariant", "fast (XLA contractions)"], proc.stdout
+    assert len(re.findall(r"^width 1: 2 rows per matmul, [\d.]+ ms per step", proc.stdout, re.M)) == 2, proc.stdout
+    bad = run_script("bench_step.py", "--config=tiny", "--programs=exact")
+    assert bad.returncode != 0 and "are not invariant or fast" in bad.stderr
+
+
 def test_bench_step_cases_time_a_context_in_each_capacity():
     """--cases times each width per (context, capacity) and compares capacities of one context."""
     proc = run_script("bench_step.py", "--config=tiny", "--dtype=float32", "--prompts=1", "--widths=2",

@@ -39,6 +39,7 @@ _OPS = {
     "dspark_hc_pre": "DsparkHcPre",
     "dspark_hc_post": "DsparkHcPost",
     "dspark_indexer_topk": "DsparkIndexerTopk",
+    "dspark_rms_norm": "DsparkRmsNorm",
 }
 # ops of the CPU plugin alone: the model of the GPU integer path (`qmatmul_i8_model`)
 _CPU_OPS = {"dspark_qmatmul_i8_model": "DsparkQMatmulI8Model"}
@@ -186,6 +187,13 @@ def qmatmul_id(x: jax.Array, w_packed: jax.Array, ids: jax.Array, ggml_type: int
     out = jax.ShapeDtypeStruct((x.shape[0], ids.shape[1], w_packed.shape[1]), jnp.float32)
     return _call("dspark_qmatmul_id", out, x, w_packed, ids, ggml_type=np.int32(ggml_type), groups=np.int32(groups),
                  mma=np.int32(mma))
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """FFI RMSNorm of each row alone: x `[T, K]` (f32|bf16), w float32 `[K]` -> float32 `[T, K]`,
+    `(x · r) · w` with `r = 1/sqrt(Σx²/K + eps)`, Σ in an order fixed by K (batch invariant)."""
+    out = jax.ShapeDtypeStruct(x.shape, jnp.float32)
+    return _call("dspark_rms_norm", out, x, w, eps=np.float32(eps))
 
 
 def qmatmul_i8_model(x: jax.Array, w_packed: jax.Array, ggml_type: int) -> jax.Array:

@@ -37,8 +37,9 @@ class KernelPolicy:
       tuning.h), "off" never (the matvec), "force" every call it can take (the tests' route onto small shapes).
       The results are the same bits in every mode.
     invariant: every row of a step is computed in an order that does not depend on the other rows or on their
-      number (issue 42): dense matrices, sums and attention products go through the row-invariant custom calls
-      (`kernels/rowwise.py`, `model/reduce.py`), packed ones never take the dense copy, and the HC mixes and
+      number (issue 42): dense matrices, norms, long sums and attention products go through the row-invariant
+      custom calls and short sums are fixed add trees (`kernels/rowwise.py`, `model/reduce.py`), packed
+      weights never take the dense copy, and the HC mixes and
       the indexer run on their custom calls. Needs the FFI plugin; not differentiable.
     """
 

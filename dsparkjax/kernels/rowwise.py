@@ -8,7 +8,8 @@ float rows as the pseudo-formats F32/F16/BF16. So every contraction of a decode 
 - a dense matrix is passed as its own bytes (`packed_dense`), no conversion;
 - a sum over an axis is a product with a row of ones (`row_sum`: 1·x is exact, so only the order rounds);
 - products whose "weights" differ per sequence or per row (attention keys) are the MoE call, each row
-  choosing the matrix of its group (`grouped_rows`).
+  choosing the matrix of its group (`grouped_rows`);
+- RMSNorm is its own call (`rms_norm`): the sum of squares, the scale and the weight in one launch.
 
 K is padded with zeros to the pseudo-formats' block of 8 (adding 0·x changes nothing). Everything here is
 float32 out and needs the FFI plugin; `dsparkjax/model/reduce.py` picks these or plain jnp per policy.
@@ -54,11 +55,12 @@ def matmul(x: jax.Array, w: jax.Array, mma: int = 1) -> jax.Array:
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-def matmul_id(x: jax.Array, w: jax.Array, ids: jax.Array) -> jax.Array:
+def matmul_id(x: jax.Array, w: jax.Array, ids: jax.Array, groups: int = 0) -> jax.Array:
     """`y[t, j] = x[t]·w[ids[t, j]]ᵀ`: x `[T, K]` (cast to w's dtype), w dense `[E, N, K]`, ids int32 `[T, k]`
-    -> float32 `[T, k, N]`."""
+    -> float32 `[T, k, N]`. `groups` = G > 0 declares ids[t] = t mod G (`ffi.qmatmul_id`): the GPU then lays the
+    call out for that pattern rather than for long runs of one id (`grouped_rows`)."""
     packed, ggml_type = packed_dense(w)
-    return ffi.qmatmul_id(_padded(x.astype(w.dtype)), packed, ids.astype(jnp.int32), ggml_type, 0, 1)
+    return ffi.qmatmul_id(_padded(x.astype(w.dtype)), packed, ids.astype(jnp.int32), ggml_type, groups, 1)
 
 
 def grouped_rows(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -75,3 +77,14 @@ def row_sum(x: jax.Array) -> jax.Array:
     """Σ over the last axis of float x `[..., K]` in a fixed order -> float32 `[...]`."""
     ones = jnp.asarray(np.ones((1, x.shape[-1]), np.float32))
     return matmul(x.astype(jnp.float32), ones)[..., 0]
+
+
+def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Array:
+    """`w ⊙ x·(mean(x²)+eps)^(-1/2)` over the last axis of x `[..., K]` (weight `[K]`, None = unweighted), each
+    row alone in an order fixed by K -> float32 `[..., K]`."""
+    k = x.shape[-1]
+    flat = x.reshape(-1, k)
+    if flat.dtype != jnp.bfloat16:
+        flat = flat.astype(jnp.float32)
+    w = jnp.ones((k,), jnp.float32) if weight is None else weight.astype(jnp.float32)
+    return ffi.rms_norm(flat, w, eps).reshape(x.shape)

@@ -20,6 +20,10 @@ from dsparkjax.model.weights import Weight, linear
 
 def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Array:
     """`w ⊙ x·(mean(x²)+eps)^(-1/2)` over the last axis, in float32 (weight None = unweighted)."""
+    if reduce.invariant():  # one row-invariant launch instead of a sum call between two fusions
+        from dsparkjax.kernels import rowwise
+
+        return rowwise.rms_norm(x, weight, eps)
     x = x.astype(jnp.float32)
     y = x * jax.lax.rsqrt(reduce.mean(jnp.square(x), axis=-1, keepdims=True) + eps)
     return y if weight is None else y * weight.astype(jnp.float32)

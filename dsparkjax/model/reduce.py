@@ -1,9 +1,12 @@
 """The model's contractions and sums, in a batch-invariant order when the traced policy asks for it.
 
-Under `KernelPolicy.invariant` every sum and product over a feature, key or expert axis goes through the
-row-invariant custom calls (`dsparkjax.kernels.rowwise`), so a row's bits do not depend on how many rows
-share the step (issue 42); otherwise they are plain jnp (XLA picks the order; differentiable, for training).
-Maxima, top-k and elementwise ops need no care: they are exact per element.
+Under `KernelPolicy.invariant` every sum and product over a feature, key or expert axis is computed in an
+order fixed by its length alone, so a row's bits do not depend on how many rows share the step (issue 42):
+sums over at most TREE_MAX entries (the k routed experts, the HC streams, CSA's pooling window) as a fixed
+pairwise tree of elementwise adds, which XLA fuses into the neighbouring ops with no launch of its own (it does
+not reassociate float adds); longer sums and the products on the row-invariant custom calls
+(`dsparkjax.kernels.rowwise`). Otherwise they are plain jnp (XLA picks the order; differentiable, for
+training). Maxima, top-k and elementwise ops need no care: they are exact per element.
 """
 
 from __future__ import annotations
@@ -19,13 +22,31 @@ def invariant() -> bool:
     return kernel_policy.active().invariant
 
 
+# Invariant sums over at most this many entries are a tree of adds: the step's short axes (k = 6 experts, 4 HC
+# streams, CSA's 8-slot window), each a launch of its own on the custom call (docs/ARCHITECTURE.md, "Exactness").
+TREE_MAX = 16
+
+
+def tree_sum(x: jax.Array, axis: int) -> jax.Array:
+    """Σ of x over `axis` in float32 as a balanced pairwise tree of its slices ((x0 + x1) + (x2 + x3)) + ...:
+    every output element is the same expression of its own inputs, whatever the other axes' sizes."""
+    axis = axis % x.ndim
+    parts = [jax.lax.index_in_dim(x.astype(jnp.float32), i, axis, keepdims=False) for i in range(x.shape[axis])]
+    while len(parts) > 1:
+        parts = [parts[i] + parts[i + 1] if i + 1 < len(parts) else parts[i] for i in range(0, len(parts), 2)]
+    return parts[0]
+
+
 def total(x: jax.Array, axis: int = -1, keepdims: bool = False) -> jax.Array:
     """Σ of x over `axis`, float32."""
     if not invariant():
         return jnp.sum(x.astype(jnp.float32), axis=axis, keepdims=keepdims)
-    from dsparkjax.kernels import rowwise
+    if x.shape[axis] <= TREE_MAX:
+        s = tree_sum(x, axis)
+    else:
+        from dsparkjax.kernels import rowwise
 
-    s = rowwise.row_sum(jnp.moveaxis(x, axis, -1))
+        s = rowwise.row_sum(jnp.moveaxis(x, axis, -1))
     return jnp.expand_dims(s, axis) if keepdims else s
 
 

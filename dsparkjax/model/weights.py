@@ -217,7 +217,7 @@ def _invariant_linear(x: jax.Array, w: jax.Array, groups: int | None) -> jax.Arr
         return rowwise.matmul(x, w, mma)
     lead = x.shape[:-2]
     ids = jnp.tile(jnp.arange(groups, dtype=jnp.int32), x.size // (x.shape[-1] * groups))[:, None]
-    y = rowwise.matmul_id(x.reshape(-1, x.shape[-1]), w.reshape(groups, -1, w.shape[-1]), ids)
+    y = rowwise.matmul_id(x.reshape(-1, x.shape[-1]), w.reshape(groups, -1, w.shape[-1]), ids, groups)
     return y.reshape(*lead, groups, -1)
 
 
