@@ -344,9 +344,11 @@ int k_split(int64_t K) {
   return s;
 }
 
-ffi::Error launch_error() {
+// The error of the last launch (or of any earlier GPU call of this thread), naming the op that reports it.
+ffi::Error launch_error(const char* op) {
   const gpuError_t err = gpuGetLastError();
-  if (err != gpuSuccess) return ffi::Error::Internal(std::string("dsparkjax kernel launch: ") + gpuGetErrorString(err));
+  if (err != gpuSuccess)
+    return ffi::Error::Internal(std::string("dsparkjax kernel launch (") + op + "): " + gpuGetErrorString(err));
   return ffi::Error::Success();
 }
 
@@ -383,7 +385,7 @@ ffi::Error QMatmulGpu(gpuStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ff
   auto* yp = static_cast<float*>(y->untyped_data());
   if (x.element_type() == ffi::DataType::BF16) launch_qmatmul<bf16_t>(stream, d, ggml_type, mode, wp, x.untyped_data(), yp);
   else launch_qmatmul<float>(stream, d, ggml_type, mode, wp, x.untyped_data(), yp);
-  return launch_error();
+  return launch_error("qmatmul");
 }
 
 // Resident CTAs of the float path's MoE kernel kKernel on the current device (host-side, once per kernel).
@@ -449,11 +451,12 @@ ffi::Error QMatmulIdGpu(gpuStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, 
   if (x.element_type() == ffi::DataType::BF16)
     launch_qmatmul_id<bf16_t>(stream, d, ggml_type, mode, wp, x.untyped_data(), ip, groups, yp);
   else launch_qmatmul_id<float>(stream, d, ggml_type, mode, wp, x.untyped_data(), ip, groups, yp);
-  return launch_error();
+  return launch_error("qmatmul_id");
 }
 
 // ---- mHC ----
 constexpr int kHcThreads = 256;
+constexpr int64_t kMaxGridYZ = 65535;  // CUDA's grid y and z extents: the mHC kernels put tokens there
 static_assert(kHcMixChunk % kHcThreads == 0, "hc_mix_kernel: whole products per thread");
 // hc_collapse_kernel reads this many of a token's chunk sums at once (DS4's 16384 stream values are 8 chunks).
 constexpr int kHcChunkLoads = 8;
@@ -630,6 +633,7 @@ ffi::Error HcPreGpu(gpuStream_t stream, ffi::AnyBuffer streams, ffi::AnyBuffer f
                     float hc_eps, float norm_eps) {
   HcDims d;
   if (auto e = check_hc_pre(streams, fn, base, scale, *workspace, &d); e.failure()) return e;
+  if (d.T > kMaxGridYZ) return arg_error("hc_pre: " + std::to_string(d.T) + " token rows exceed the GPU grid's 65535");
   if (d.T == 0) return ffi::Error::Success();
   const int64_t chunks = hc_mix_chunks(d.n * d.D);
   auto* part = static_cast<float*>(workspace->untyped_data());
@@ -649,13 +653,14 @@ ffi::Error HcPreGpu(gpuStream_t stream, ffi::AnyBuffer streams, ffi::AnyBuffer f
           static_cast<float*>(comb->untyped_data()), d.D, (int)chunks, iters, hc_eps, norm_eps);
     });
   });
-  return launch_error();
+  return launch_error("hc_pre");
 }
 
 ffi::Error HcPostGpu(gpuStream_t stream, ffi::AnyBuffer block_out, ffi::AnyBuffer streams, ffi::AnyBuffer post,
                      ffi::AnyBuffer comb, ffi::Result<ffi::AnyBuffer> out) {
   HcDims d;
   if (auto e = check_hc_post(block_out, streams, post, comb, &d); e.failure()) return e;
+  if (d.T > kMaxGridYZ) return arg_error("hc_post: " + std::to_string(d.T) + " token rows exceed the GPU grid's 65535");
   if (d.T == 0) return ffi::Error::Success();
   visit_float(streams.element_type(), [&](auto xt) {
     using XT = decltype(xt);
@@ -668,7 +673,7 @@ ffi::Error HcPostGpu(gpuStream_t stream, ffi::AnyBuffer block_out, ffi::AnyBuffe
           static_cast<float*>(out->untyped_data()), (int)d.n, d.D);
     });
   });
-  return launch_error();
+  return launch_error("hc_post");
 }
 
 // ---- RMSNorm ----
@@ -709,7 +714,7 @@ ffi::Error RmsNormGpu(gpuStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ff
     rms_norm_kernel<XT><<<grid, kNormWarps * kLanes, 0, stream>>>(static_cast<const XT*>(x.untyped_data()), wp, yp,
                                                                   d.T, d.K, eps);
   });
-  return launch_error();
+  return launch_error("rms_norm");
 }
 
 }  // namespace

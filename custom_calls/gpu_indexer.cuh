@@ -158,5 +158,5 @@ ffi::Error IndexerTopkGpu(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
       static_cast<const float*>(w.untyped_data()), lp, sp, d.Q, d.H, d.dim, d.N);
   indexer_select_kernel<<<(unsigned)rows, kIndexerSelectThreads, (size_t)pick_bytes, stream>>>(
       sp, lp, static_cast<int32_t*>(picks->untyped_data()), d.N, d.k);
-  return launch_error();
+  return launch_error("indexer_topk");
 }
