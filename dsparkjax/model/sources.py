@@ -60,8 +60,9 @@ def stored_form(info: TensorInfo) -> tuple[tuple[int, ...], np.dtype]:
     return info.shape, _FLOAT_DTYPES.get(info.ggml_type, np.dtype(np.float32))
 
 
-# Threads that check and copy tensors ahead of the loader (`FileSource`): checks run at about 8 GB/s per core and
-# copies from the map at the host-to-device rate, both without the GIL; 4 keep a PCIe Gen5 copy busy.
+# Threads that check and copy tensors ahead of the loader (`FileSource`): the checks run at about 8 GB/s per core
+# and the copies at the host-to-device rate, both without the GIL. 4 is an estimate for a PCIe Gen5 host until
+# a GPU run compares (docs/bench.md, bench_load.py --load_workers).
 LOAD_WORKERS = 4
 # Bytes of tensors fetched ahead and not yet handed to the loader: at least two of DS4's largest expert stacks
 # (0.7 GB each) with the small tensors between them, so one stack's copy overlaps the next one's checks. The host
@@ -76,8 +77,8 @@ class FileSource:
     Each tensor's bytes are checked (`check_tensor_bytes`), viewed in place in the map (no host copy), put
     on the device and waited for; then the map's pages of the tensor are released (a real file's pages stay in
     the page cache, from which the kernel reclaims them as it needs). Quantized types the kernels do not read
-    are the exception: they are decoded on the host, one tensor at a time. `progress` shows a bar of bytes
-    loaded.
+    are the exception: they are decoded on the host, one tensor at a time per worker. `progress` shows a bar of
+    bytes loaded.
 
     Given the `order` the loader will fetch tensors in (`ShapeSource.fetched` of the same loader) and `workers`
     > 1, that work runs ahead of the loader on a pool of threads, in that order, with at most `inflight_bytes`
