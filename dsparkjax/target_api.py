@@ -19,7 +19,7 @@ from dsparkjax.ggufio.reader import GGUFFile
 from dsparkjax.kernels.policy import KernelPolicy
 from dsparkjax.model.layer_plan import LayerPlan
 from dsparkjax.model.params import TargetParams, load_target_params, plan_of
-from dsparkjax.model.sources import load_streamed
+from dsparkjax.model.sources import LOAD_WORKERS, load_streamed
 from dsparkjax.model.target import StepOptions
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -74,7 +74,8 @@ class Target:
 
 
 def load_target(path: str, *, dtype: str = "float32", simulate_qat: bool = True, progress: bool = False,
-                kernels: str = "auto", policy: KernelPolicy = KernelPolicy(), scan_layers: bool = False) -> Target:
+                kernels: str = "auto", policy: KernelPolicy = KernelPolicy(), scan_layers: bool = False,
+                load_workers: int = LOAD_WORKERS) -> Target:
     """Open a `deepseek4` GGUF, check its contract, and load its weights in `dtype` ("float32" or "bfloat16").
 
     The weights go from the file's memory map to the device tensor by tensor, with no host copy
@@ -90,6 +91,8 @@ def load_target(path: str, *, dtype: str = "float32", simulate_qat: bool = True,
     scan_layers: layers of one structure share one scanned body (`model/layer_plan.py`): their weights are
     stacked and the step runs them under `lax.scan`, which compiles in a fraction of the unrolled step's time
     (issue 38) and gives the same bits.
+    load_workers: threads that check and copy tensors ahead of the loader (`model/sources.py`); 1 loads one
+    tensor at a time.
     """
     if dtype not in DTYPES:
         raise DsparkError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -99,7 +102,8 @@ def load_target(path: str, *, dtype: str = "float32", simulate_qat: bool = True,
     kernels = _kernel_choice(kernels, file)
     pack = None if kernels == "dequantize" else kernels
     params = load_streamed(file, lambda source: load_target_params(source, cfg, DTYPES[dtype], pack,
-                                                                   scan_layers=scan_layers), progress=progress)
+                                                                   scan_layers=scan_layers),
+                           progress=progress, workers=load_workers)
     tokenizer = None
     if "tokenizer.ggml.model" in file.metadata:
         from dsparkjax.tokenizer import Tokenizer

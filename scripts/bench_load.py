@@ -5,6 +5,7 @@ it through the public API, and generate.
     python scripts/bench_load.py --layers 30 --dir /big/disk --json_out load30.json
     python scripts/bench_load.py --gguf target.gguf --draft draft.gguf --json_out load_real.json
     python scripts/bench_load.py --config tiny --json_out tiny_load.json  # the CPU smoke test
+    python scripts/bench_load.py --layers 32 --load_workers 1,4,1,4 --json_out F  # serial vs prefetching loads
 
 Writes the target and drafter with `dsparkjax.tiny.write_sparse_pair` (seconds, no disk: all-zero data is
 valid in every type), then times `load_target` and `load_drafter` (each streams its tensors from the file's
@@ -42,6 +43,11 @@ _PROMPT_TOKENS = flags.DEFINE_integer("prompt_tokens", STARTUP_PROMPT_TOKENS, "P
                                       "default bench.py's start-up call's, whose programs it then finds cached.")
 _NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", STARTUP_NEW_TOKENS, "Tokens to generate (default: as bench.py's "
                                    "start-up call).")
+_LOAD_WORKERS = flags.DEFINE_list("load_workers", None, "Threads that check and copy tensors ahead of the loader "
+                                   "(load_target's load_workers; 1: one tensor at a time; default the library's). "
+                                   "A list loads the target once per entry, each load replacing the last (after the "
+                                   "first, the file is in the page cache): e.g. 1,4,1,4 compares serial and "
+                                   "prefetching loads in one run. The last is kept for the drafter and generate.")
 _JSON_OUT = flags.DEFINE_string("json_out", None, "Write the results here as JSON.")
 
 SCHEMA = "dsparkjax.bench_load/1"
@@ -64,7 +70,11 @@ FIELDS = {
     "files.draft_bytes": "its size, bytes",
     "files.draft_disk_bytes": "its blocks on disk, bytes",
     "files.write_s": "seconds to write both sparse files (0 with --gguf)",
-    "load.target_s": "seconds of load_target (contract checks, fit check, streaming every tensor to the device)",
+    "load.target_s": "seconds of load_target (contract checks, fit check, streaming every tensor to the device); "
+                     "the first of load.workers",
+    "load.workers": "load_workers of each target load, in order (--load_workers); the drafter's is the last",
+    "load.target_runs_s": "seconds of each target load, in the order of load.workers",
+    "load.target_runs_gb_s": "the file's tensor bytes over each load's seconds, GB/s (1e9 bytes)",
     "load.drafter_s": "seconds of load_drafter",
     "load.target_param_bytes": "bytes of the target's weights on the device",
     "load.drafter_param_bytes": "bytes of the drafter's weights on the device",
@@ -101,6 +111,8 @@ def main(argv: list[str]) -> None:
     from bench_measure import configs
 
     from dsparkjax import footprint, generate, load_drafter, load_target
+    from dsparkjax.ggufio import open_gguf
+    from dsparkjax.model.sources import LOAD_WORKERS
     from dsparkjax.tiny import write_sparse_pair
 
     part = Part(_JSON_OUT.value, SCHEMA, FIELDS)
@@ -124,12 +136,19 @@ def main(argv: list[str]) -> None:
 
     def load() -> dict:
         rss_before = _rss()
+        workers = [int(w) for w in _LOAD_WORKERS.value or [LOAD_WORKERS]]
+        seconds = []
+        target = None
+        for count in workers:
+            target = None  # the last load's weights are freed before the next
+            start = time.perf_counter()
+            target = load_target(state["target"], dtype=_DTYPE.value, progress=True, load_workers=count)
+            jax.block_until_ready(target.params)
+            seconds.append(time.perf_counter() - start)
+        tensor_bytes = sum(info.nbytes for info in open_gguf(state["target"]).tensors.values())
         start = time.perf_counter()
-        target = load_target(state["target"], dtype=_DTYPE.value, progress=True)
-        jax.block_until_ready(target.params)
-        target_s = time.perf_counter() - start
-        start = time.perf_counter()
-        drafter = load_drafter(state["draft"], target, progress=True) if state["draft"] else None
+        drafter = (load_drafter(state["draft"], target, progress=True, load_workers=workers[-1])
+                   if state["draft"] else None)
         jax.block_until_ready(drafter.params if drafter else None)
         state.update(model=target)
         mem = footprint.device_memory()
@@ -138,7 +157,9 @@ def main(argv: list[str]) -> None:
             device=jax.devices()[0].device_kind, jax=jax.__version__,
             config="gguf" if _GGUF.value else _CONFIG.value, layers=target.config.num_layers, dtype=_DTYPE.value,
             mem_fraction=configured.mem_fraction, compilation_cache=configured.cache_dir)
-        return dict(target_s=target_s, drafter_s=time.perf_counter() - start,
+        return dict(target_s=seconds[0], workers=workers, target_runs_s=seconds,
+                    target_runs_gb_s=[tensor_bytes / 1e9 / s for s in seconds],
+                    drafter_s=time.perf_counter() - start,
                     target_param_bytes=footprint.tree_bytes(target.params),
                     drafter_param_bytes=footprint.tree_bytes(drafter.params) if drafter else 0,
                     host_rss_before_bytes=rss_before,

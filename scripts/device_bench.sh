@@ -7,7 +7,9 @@
 #   bash scripts/device_bench.sh --layers 32              # an H100's slice
 #   bash scripts/device_bench.sh --sections load          # one part: bench or load
 #   bash scripts/device_bench.sh --config tiny            # the CPU dry run (tiny model, no GPU)
-# Any other argument goes to bench.py (e.g. --compile_threads 1, --measure steps,speculative).
+#   bash scripts/device_bench.sh --layers 32 --sections load --load_workers 1,4,1,4   # serial vs prefetching loads
+# --load_workers goes to bench_load.py (a list: one target load per entry, docs/bench.md). Any other argument goes
+# to bench.py (e.g. --compile_threads 1, --measure steps,speculative).
 # Results go to $OUT: <name>.json and bench.log from bench.py, <name>_load.json and load.log from the load run,
 # where <name> is ds4_full_h200 for 43 layers on an H200 (what docs/bench/ holds), ds4_<N>layers_<gpu> otherwise.
 # Expects the gguf wheel in .whl/ (carried) and takes carried plugins in dsparkjax/_lib (scripts/device_setup.sh).
@@ -15,12 +17,13 @@
 # generate loads the programs bench.py's start-up compiled, and a second call starts warm. Set DSPARKJAX_COMMIT
 # to the commit when the copied checkout has no .git.
 set -uo pipefail
-LAYERS=43 CONFIG=ds4 SECTIONS="bench load" EXTRA=()
+LAYERS=43 CONFIG=ds4 SECTIONS="bench load" EXTRA=() LOAD_EXTRA=()
 while (($#)); do
   case "$1" in
     --layers) LAYERS="$2"; shift 2 ;;
     --config) CONFIG="$2"; shift 2 ;;
     --sections) SECTIONS="$2"; shift 2 ;;
+    --load_workers) LOAD_EXTRA+=(--load_workers "$2"); shift 2 ;;
     *) EXTRA+=("$1"); shift ;;
   esac
 done
@@ -46,7 +49,7 @@ if want load; then
   # On the checkout's disk, not /tmp, which may be a RAM-backed tmpfs: there the zero pages read would stay in memory.
   SPARSE="$PWD/build/dsparkjax-sparse"; mkdir -p "$SPARSE"; df -hT "$SPARSE" | tail -1
   echo "== bench_load.py ${MODEL[*]}: the sparse file, loaded and run"
-  python3 scripts/bench_load.py "${MODEL[@]}" --dir "$SPARSE" --json_out "$OUT/${NAME}_load.json" > "$OUT/load.log" 2>&1
+  python3 scripts/bench_load.py "${MODEL[@]}" "${LOAD_EXTRA[@]}" --dir "$SPARSE" --json_out "$OUT/${NAME}_load.json" > "$OUT/load.log" 2>&1
   echo "exit $?"; grep -vE "^[IW][0-9]{4}|it/s\]|B/s\]" "$OUT/load.log" | tail -8
   rm -rf "$SPARSE"
 fi

@@ -11,11 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsparkjax import footprint
+from dsparkjax import footprint, formats
 from dsparkjax.config import tiny_drafter, tiny_target
 from dsparkjax.errors import GGUFContractError, MemoryBudgetError, UnsupportedTypeError
 from dsparkjax.formats import GGMLType
 from dsparkjax.ggufio import open_target
+from dsparkjax.ggufio import finite
 from dsparkjax.ggufio.finite import F16_SCALE_OFFSETS, find_nonfinite
 from dsparkjax.ggufio.reader import TensorInfo
 from dsparkjax.inspect import describe
@@ -157,6 +158,35 @@ def test_find_nonfinite_reads_every_block_scale_field():
         assert find_nonfinite(np.zeros((5, size), np.uint8), ggml_type) is None
     halves = np.array([1.0, np.inf, 2.0], np.float32).astype(jnp.bfloat16).view(np.uint16)
     assert find_nonfinite(halves.view(np.uint8), GGMLType.BF16).first == 1
+
+
+@pytest.mark.parametrize("ggml_type", [GGMLType.F32, GGMLType.F16, GGMLType.BF16, *F16_SCALE_OFFSETS])
+def test_find_nonfinite_counts_as_decoding_would_across_chunks(monkeypatch, ggml_type):
+    """The bit test (an all-ones exponent, chunk by chunk) finds the count and first index that decoding every
+    value (or block scale) with numpy finds, for hits in several chunks and none in others."""
+    monkeypatch.setattr(finite, "_CHUNK_UNITS", 7)
+    rng = np.random.default_rng(int(ggml_type))
+    size = formats.type_size(ggml_type)
+    units = 50
+    raw = rng.integers(0, 64, units * size, dtype=np.uint8)  # bytes <= 0x3F: every float finite
+    assert finite.find_nonfinite(raw, ggml_type) is None
+    for index in (9, 10, 33, 49):  # chunks 1, 4 and 7 hold hits
+        offset = index * size + (rng.choice(F16_SCALE_OFFSETS[ggml_type]) if ggml_type in F16_SCALE_OFFSETS else 0)
+        width = 4 if ggml_type == GGMLType.F32 else 2
+        value = rng.choice([np.nan, np.inf, -np.inf])
+        raw[offset : offset + width] = np.frombuffer(
+            (np.float32(value) if width == 4 else np.float16(value) if ggml_type != GGMLType.BF16
+             else np.array([value], jnp.bfloat16)).tobytes(), np.uint8)
+    if ggml_type in F16_SCALE_OFFSETS:
+        blocks = raw.reshape(units, size)
+        decoded = np.stack([np.ascontiguousarray(blocks[:, o : o + 2]).view(np.float16)[:, 0]
+                            for o in F16_SCALE_OFFSETS[ggml_type]], axis=1)
+        bad = ~np.isfinite(decoded).all(axis=1)
+    else:
+        bad = ~np.isfinite(raw.view({GGMLType.F32: np.float32, GGMLType.F16: np.float16,
+                                     GGMLType.BF16: jnp.bfloat16}[ggml_type]).astype(np.float32))
+    found = finite.find_nonfinite(raw, ggml_type)
+    assert found is not None and (found.count, found.first) == (int(bad.sum()), int(np.flatnonzero(bad)[0]))
 
 
 def test_format_without_a_kernel_is_refused_with_its_dense_size():

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import jax
@@ -20,11 +21,12 @@ from dsparkjax import footprint, runtime
 from dsparkjax.config import deepseek_v4_flash, dspark_flash, tiny_drafter, tiny_target
 from dsparkjax.decoding.generate import generate
 from dsparkjax.decoding.proposer import load_drafter
-from dsparkjax.errors import DeviceMemoryError
+from dsparkjax.errors import DeviceMemoryError, GGUFContractError
 from dsparkjax.ggufio import open_drafter, open_target
 from dsparkjax.kernels import dequantize
 from dsparkjax.model.params import load_target_params
-from dsparkjax.model.sources import ShapeSource, packs
+from dsparkjax.ggufio.reader import GGUFFile
+from dsparkjax.model.sources import FileSource, ShapeSource, load_streamed, packs
 from dsparkjax.target_api import load_target
 from dsparkjax.tiny import random_sources, write_sparse_pair, write_tiny_pair
 
@@ -67,11 +69,13 @@ def test_sparse_tiny_pair_loads_and_generates_zeros(tmp_path):
     assert result.token_ids == [0, 0, 0, 0]
 
 
-def test_loading_keeps_no_host_copy_of_the_weights(tmp_path):
+@pytest.mark.parametrize("workers", [1, 4])
+def test_loading_keeps_no_host_copy_of_the_weights(tmp_path, workers):
     """A 2.5 GB slice of DS4's layout (3 layers, 16 experts each) loads with the process's peak resident memory
-    growing by at most the weights as they sit on the (CPU) device plus the one largest tensor in flight: the
-    file's pages are given back after each tensor, and nothing is copied on the host. The previous loader, which
-    decoded and stacked on the host and kept the map's pages, grew by 2.4x the weights here."""
+    growing by at most the weights as they sit on the (CPU) device plus the one largest tensor in flight and, with
+    workers fetching ahead, their bound (0.5 GB here, a fifth of the file): the file's pages are given back after
+    each tensor, and nothing is copied on the host. The previous loader, which decoded and stacked on the host
+    and kept the map's pages, grew by 2.4x the weights here."""
     cfg = dataclasses.replace(deepseek_v4_flash(3), n_routed_experts=16)
     target_path, _ = write_sparse_pair(str(tmp_path), cfg, dspark_flash(3))
     assert os.path.getsize(target_path) > 2e9
@@ -79,23 +83,84 @@ def test_loading_keeps_no_host_copy_of_the_weights(tmp_path):
 import json, resource, sys
 import jax
 from dsparkjax import footprint
+from dsparkjax.model import sources
 from dsparkjax.target_api import load_target
 
 def rss():
     return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmRSS:"))
 
+sources.INFLIGHT_BYTES = 512 << 20
 base = rss()
-target = load_target(sys.argv[1], dtype="bfloat16", kernels="reference")
+target = load_target(sys.argv[1], dtype="bfloat16", kernels="reference", load_workers=int(sys.argv[2]))
 jax.block_until_ready(target.params)
 print(json.dumps(dict(growth=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base,
                       weights=footprint.tree_bytes(target.params),
                       largest=max(x.nbytes for x in jax.tree.leaves(target.params)))))
 """
-    proc = subprocess.run([sys.executable, "-c", script, target_path], capture_output=True, text=True, timeout=300,
-                          check=False, env=ENV)
+    proc = subprocess.run([sys.executable, "-c", script, target_path, str(workers)], capture_output=True, text=True,
+                          timeout=300, check=False, env=ENV)
     assert proc.returncode == 0, proc.stderr[-2000:]
     m = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert m["growth"] <= m["weights"] + m["largest"], m
+    assert m["growth"] <= m["weights"] + m["largest"] + (512 << 20 if workers > 1 else 0), m
+
+
+def _fetch_all(source, got: list[str]) -> None:
+    """A loader that fetches every tensor of `source` in table order, appending each name to `got` once fetched."""
+    for name in source.tensors:
+        source.fetch(name)
+        got.append(name)
+
+
+def _load_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("dsparkjax-load")]
+
+
+def test_prefetching_loads_the_same_weights_as_one_tensor_at_a_time(tmp_path):
+    """The workers' tensors are the serial loader's, bit for bit, also when the loader leaves the recorded order
+    (the rest then loads one at a time), and no worker thread outlives the load."""
+    cfg = tiny_target(hidden_size=256, moe_intermediate_size=256, layers=2)
+    path = write_tiny_pair(str(tmp_path), recipe="published", target_cfg=cfg, drafter_cfg=tiny_drafter(cfg),
+                           tokenizer=None, random_blocks=True)[0]
+    serial = load_target(path, kernels="reference", load_workers=1)
+    ahead = load_target(path, kernels="reference", load_workers=4)
+    assert jax.tree.structure(serial.params) == jax.tree.structure(ahead.params)
+    for a, b in zip(jax.tree.leaves(serial.params), jax.tree.leaves(ahead.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    file = GGUFFile(path)
+    names = list(file.tensors)
+    source = FileSource(file, order=names, workers=3, inflight_bytes=1)
+    try:
+        for name in (names[0], names[2], names[1], *names[3:]):
+            np.testing.assert_array_equal(np.asarray(source.fetch(name)), np.asarray(FileSource(file).fetch(name)))
+        assert source._pool is None  # the detour stopped the workers
+    finally:
+        source.close()
+    assert not _load_threads()
+
+
+def test_a_corrupt_tensor_fails_the_prefetching_load_as_the_serial_one(tmp_path):
+    """A NaN block scale in a tensor in the middle of the load order, which the workers reach before the loader
+    does: the load raises the serial path's GGUFContractError (naming the file and the tensor) at the fetch of
+    that tensor, after the same tensors, and leaves no worker thread running."""
+    cfg = tiny_target(hidden_size=256, moe_intermediate_size=256, layers=2)
+    path = write_sparse_pair(str(tmp_path), cfg, tiny_drafter(cfg), recipe="published")[0]
+    file = GGUFFile(path)
+    bad = next(n for n in list(file.tensors)[len(file.tensors) // 2:] if file.tensors[n].type_name == "Q8_0")
+    with open(path, "r+b") as f:
+        f.seek(file.tensors[bad].offset + 34)  # block 1's f16 scale
+        f.write(np.float16(np.nan).tobytes())
+    names, errors = list(file.tensors), []
+    for workers in (1, 4):
+        got: list[str] = []
+        with pytest.raises(GGUFContractError) as err:
+            load_streamed(GGUFFile(path), lambda source: _fetch_all(source, got), workers=workers)
+        assert got == names + names[: names.index(bad)]  # the sizing pass fetched all, the file pass up to `bad`
+        with pytest.raises(GGUFContractError) as public:
+            load_target(path, kernels="reference", load_workers=workers)
+        errors.append((str(err.value), str(public.value)))
+        assert not _load_threads()
+    assert errors[0] == errors[1] and errors[0][0] == errors[0][1], errors
+    assert path in errors[0][0] and f"tensor {bad}" in errors[0][0] and "finite Q8_0 block scales" in errors[0][0]
 
 
 def test_a_model_that_cannot_fit_is_refused_before_loading(monkeypatch, tiny_files):

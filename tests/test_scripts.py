@@ -278,7 +278,7 @@ def test_bench_load_tiny_loads_the_sparse_pair_and_generates(tmp_path):
     out = tmp_path / "load.json"
     env = {**os.environ, "DSPARKJAX_CACHE": str(tmp_path / "cache")}
     proc = subprocess.run([sys.executable, str(SCRIPTS / "bench_load.py"), "--config=tiny", "--layers=2",
-                           f"--dir={tmp_path / 'sparse'}", f"--json_out={out}"], capture_output=True, text=True,
+                           "--load_workers=1,2", f"--dir={tmp_path / 'sparse'}", f"--json_out={out}"], capture_output=True, text=True,
                           timeout=600, check=False, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads(out.read_text())
@@ -292,6 +292,7 @@ def test_bench_load_tiny_loads_the_sparse_pair_and_generates(tmp_path):
     assert results["files"]["target_disk_bytes"] < results["files"]["target_bytes"]
     assert results["generate"]["token_ids"] == [0] * 8
     assert results["load"]["host_peak_rss_bytes"] >= results["load"]["host_rss_before_bytes"] > 0
+    assert results["load"]["workers"] == [1, 2] and len(results["load"]["target_runs_gb_s"]) == 2
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from dsparkjax.ggufio.contract import open_drafter
 from dsparkjax.kernels.policy import KernelPolicy
 from dsparkjax.model.drafter import DrafterModel, DrafterState, init_drafter_state
 from dsparkjax.model.params import DrafterParams, load_drafter_params
-from dsparkjax.model.sources import load_streamed
+from dsparkjax.model.sources import LOAD_WORKERS, load_streamed
 from dsparkjax.target_api import Target
 
 
@@ -122,12 +122,13 @@ class Drafter:
         return _compiled(self.config, self.target.simulate_qat, self.target.options().policy)
 
 
-def load_drafter(path: str, target: Target, *, progress: bool = False) -> Drafter:
+def load_drafter(path: str, target: Target, *, progress: bool = False, load_workers: int = LOAD_WORKERS) -> Drafter:
     """Open a `deepseek4-dflash-draft` GGUF, check its contract and its fit to `target`, load its weights
-    (streamed to the device as the target's, `load_target`) and the width thresholds fitted for it, if any."""
+    (streamed to the device as the target's, `load_target`, `load_workers` threads ahead of the loader) and the
+    width thresholds fitted for it, if any."""
     file, cfg = open_drafter(path, target.config)
     thresholds = thresholds_from_metadata(file.metadata, cfg.block_size, file.path)
     pack = None if target.kernels == "dequantize" else target.kernels
     params = load_streamed(file, lambda source: load_drafter_params(source, cfg, jnp.dtype(target.dtype), pack),
-                           progress=progress)
+                           progress=progress, workers=load_workers)
     return Drafter(file.path, cfg, params, target, thresholds)
