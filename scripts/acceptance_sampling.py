@@ -55,9 +55,9 @@ class Recorder:
     def __getattr__(self, name: str) -> Any:  # init_state, precompile, absorb, propose
         return getattr(self.inner, name)
 
-    def propose_sampled(self, state: Any, seeds: jax.Array, seed_pos: jax.Array, rows: RowSampling, purpose: int
-                        ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        out = self.inner.propose_sampled(state, seeds, seed_pos, rows, purpose)
+    def propose_sampled(self, state: Any, seeds: jax.Array, seed_pos: jax.Array, rows: RowSampling, purpose: int,
+                        with_logits: bool) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+        out = self.inner.propose_sampled(state, seeds, seed_pos, rows, purpose, with_logits)
         self.confidences.append(out[1])
         return out
 
