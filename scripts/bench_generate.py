@@ -119,6 +119,10 @@ def timed(label: str, fn) -> Timing:
     return Timing(results, seconds)
 
 
+def matched_per_offered(results: list[Result]) -> float:
+    return sum(r.matched for r in results) / max(1, sum(r.offered for r in results))
+
+
 def mismatch_rate(a: list[Result], b: list[Result]) -> float:
     return float(np.mean([x.token_ids != y.token_ids for x, y in zip(a, b)]))
 
@@ -200,8 +204,9 @@ def main(argv: list[str]) -> None:
         dspark_exact_equals_plain=same_tokens(dspark.results, ar_exact.results),
         fast_spec_vs_fast_plain_mismatch=mismatch_rate(spec_fast.results, ar_fast.results),
         fast_plain_vs_exact_plain_mismatch=mismatch_rate(ar_fast.results, ar_exact.results),
-        oracle_matched_per_offered=(sum(r.matched for r in spec_exact.results)
-                                    / max(1, sum(r.offered for r in spec_exact.results))),
+        oracle_matched_per_offered=matched_per_offered(spec_exact.results),
+        # The oracle's candidates carry a point-mass q: lossless accepts each with the target's probability of it.
+        lossless_matched_per_offered=None if lossless is None else matched_per_offered(lossless.results),
         mean_accepted_tokens_per_step=(sum(r.matched + r.steps for r in spec_exact.results)
                                        / sum(r.steps for r in spec_exact.results)),
         tok_s={name: tokens / t.best for name, t in timings.items()},

@@ -25,7 +25,10 @@
 # `invariance` (issue 42: scripts/check_invariance.py on the embedded pair and on DS4's dims with 4 layers in
 # bf16 and f32, then exact against fast generation at batch 1, 8 and 64) and `sampling` (the generation
 # benchmark with every run sampling at T = 0.7: plain vs exact and lossless speculative sampling, tok/s; run it
-# beside `generate` for the greedy numbers).
+# beside `generate` for the greedy numbers, `bash scripts/device_suite.sh generate sampling`, not timed yet:
+# each section is one bench_generate.py run, files generate_bf16.{json,log} and generate_sampled_bf16.{json,log}.
+# The lossless run's oracle proposes plain sampling's tokens with a point-mass q, so each is accepted with the
+# target's probability of it: its lossless_matched_per_offered in the JSON says what acceptance its tok/s had).
 set -uo pipefail
 SECTIONS="${*:-tests kernels generate}"
 want() { [[ " $SECTIONS " == *" $1 "* ]]; }
