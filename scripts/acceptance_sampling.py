@@ -188,7 +188,8 @@ def markdown(report: dict[str, Any]) -> str:
              "|---|---|---|---|---|---|---|"]
     fits = ["| T | mode | survival thresholds t_1.. |", "|---|---|---|",
             f"| (any) | stored (greedy, `scripts/calibrate.py`) | {_numbers(report['stored_thresholds'])} |"]
-    bins = ["| T | mode | slot | reached | accepted | accepted (count) per mean confidence |", "|---|---|---|---|---|---|"]
+    bins = ["| T | mode | slot | reached | accepted | accepted (count) per mean confidence |",
+            "|---|---|---|---|---|---|"]
     for temperature, entry in report["temperatures"].items():
         for verify, rows in entry["modes"].items():
             for width, row in rows.items():
@@ -199,7 +200,8 @@ def markdown(report: dict[str, Any]) -> str:
                 if "fitted_thresholds" in row:
                     fits.append(f"| {temperature} | {verify} | {_numbers(row['fitted_thresholds'])} |")
                 for slot in row.get("calibration", []):
-                    cells = ", ".join(f"{b['confidence']:.2f}: {b['accepted']:.2f} ({b['count']})" for b in slot["bins"])
+                    cells = ", ".join(f"{b['confidence']:.2f}: {b['accepted']:.2f} ({b['count']})"
+                                      for b in slot["bins"])
                     bins.append(f"| {temperature} | {verify} | {slot['slot']} | {slot['reached']} | "
                                 f"{'-' if slot['acceptance'] is None else slot['acceptance']} | {cells} |")
     return "\n\n".join("\n".join(table) for table in (steps, fits, bins)) + "\n"
