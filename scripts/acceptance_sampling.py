@@ -10,7 +10,11 @@ library's held-out `.py` files, `dsparkjax/training/corpus.py`) is the baseline:
 candidates matched/offered, target steps, the factor plain steps / speculative steps, and for exact mode
 whether the output equals plain sampling's (it must). Runs at the widest fixed width verify every candidate,
 so they also give, per block slot i and confidence bin, how often candidate i was accepted given that
-candidates 1..i-1 were (the calibration the width policy thresholds; `scripts/calibrate.py` does it greedily).
+candidates 1..i-1 were (the calibration the width policy thresholds; `scripts/calibrate.py` does it greedily),
+and the width policy refitted on them: the survival thresholds `calibration.fit_thresholds` gives with its
+break-even (what `scripts/calibrate.py` stores in the drafter, fitted there on greedy continuations), then a
+run of the adaptive policy with those thresholds (width "fitted"; fitted and run on the same prompts).
+`--markdown_out` writes the tables of docs/sampling.md from the same results.
 """
 
 from __future__ import annotations
@@ -27,8 +31,10 @@ from dsparkjax.decoding.engine import Engine
 from dsparkjax.decoding.generate import generate
 from dsparkjax.decoding.proposer import Proposer, load_drafter
 from dsparkjax.decoding.sampling import RowSampling, SamplingParams
+from dsparkjax.decoding.width import WidthPolicy
 from dsparkjax.embedded import embedded_pair
 from dsparkjax.target_api import load_target
+from dsparkjax.training import calibration as fit
 from dsparkjax.training.corpus import held_out_prompts
 
 _TARGET = flags.DEFINE_string("target", None, "Target GGUF (default: the embedded target).")
@@ -42,6 +48,7 @@ _MODES = flags.DEFINE_list("modes", ["exact", "lossless"], "Verify modes.")
 _WIDTHS = flags.DEFINE_list("widths", ["adaptive", "6"], "Verify widths: 'adaptive' or q in 2..6.")
 _BINS = flags.DEFINE_integer("bins", 5, "Confidence bins of the calibration.")
 _JSON = flags.DEFINE_string("json_out", None, "Also write the results here.")
+_MARKDOWN = flags.DEFINE_string("markdown_out", None, "Write the results as docs/sampling.md's tables here.")
 
 
 class Recorder:
@@ -55,9 +62,9 @@ class Recorder:
     def __getattr__(self, name: str) -> Any:  # init_state, precompile, absorb, propose
         return getattr(self.inner, name)
 
-    def propose_sampled(self, state: Any, seeds: jax.Array, seed_pos: jax.Array, rows: RowSampling, purpose: int
-                        ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        out = self.inner.propose_sampled(state, seeds, seed_pos, rows, purpose)
+    def propose_sampled(self, state: Any, seeds: jax.Array, seed_pos: jax.Array, rows: RowSampling, purpose: int,
+                        with_logits: bool) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+        out = self.inner.propose_sampled(state, seeds, seed_pos, rows, purpose, with_logits)
         self.confidences.append(out[1])
         return out
 
@@ -109,6 +116,15 @@ def calibration(steps: list[tuple[np.ndarray, int]], bins: int) -> list[dict]:
     return slots
 
 
+def refit(steps: list[tuple[np.ndarray, int]]) -> tuple[float, ...]:
+    """Survival thresholds fitted, with `calibrate.py`'s break-even, on sampled steps that verified every
+    candidate: candidates 1..k all survived iff more than k - 1 were matched."""
+    conf = np.stack([c for c, _ in steps])
+    matched = np.array([m for _, m in steps])
+    matches = np.arange(conf.shape[1])[None, :] < matched[:, None]
+    return fit.fit_thresholds(fit.Proposals(conf, matches), fit.BREAK_EVEN)
+
+
 def main(argv: list[str]) -> None:
     del argv
     logging.set_verbosity(logging.WARNING)
@@ -121,8 +137,9 @@ def main(argv: list[str]) -> None:
     prompts = held_out_prompts(target.tokenizer, _PROMPTS.value, _PROMPT_LEN.value, _SEED.value)
     report: dict[str, Any] = dict(target=target_path, draft=draft_path, prompts=len(prompts),
                                   prompt_len=_PROMPT_LEN.value, max_new_tokens=_MAX_NEW.value, seed=_SEED.value,
-                                  temperatures={})
-    widest = str(drafter.block_size + 1)
+                                  stored_thresholds=list(drafter.width_thresholds or ()),
+                                  break_even=fit.BREAK_EVEN, temperatures={})
+    widest = drafter.block_size + 1
     for temperature in map(float, _TEMPERATURES.value):
         params = SamplingParams(temperature)
         seeds = [_SEED.value + i for i in range(len(prompts))]
@@ -130,29 +147,68 @@ def main(argv: list[str]) -> None:
                          stop_tokens=(), temperature=temperature, seed=seeds)
         plain_steps = sum(r.steps for r in plain)
         entry: dict[str, Any] = dict(plain_steps=plain_steps, modes={})
-        for verify in _MODES.value:
-            entry["modes"][verify] = {}
-            for width in _WIDTHS.value:
-                spec = generate(target, prompts, drafter=drafter, mode="spec", verify=verify, width=width,
-                                max_new_tokens=_MAX_NEW.value, stop_tokens=(), temperature=temperature, seed=seeds)
-                matched, offered, steps = (sum(getattr(r, k) for r in spec) for k in ("matched", "offered", "steps"))
-                row = dict(matched=matched, offered=offered, matched_per_offered=round(matched / max(offered, 1), 4),
-                           steps=steps, step_reduction=round(plain_steps / max(steps, 1), 3),
-                           tokens_per_step=round(sum(len(r.token_ids) for r in spec) / max(steps, 1), 3))
+
+        def measure(verify: str, width: str | WidthPolicy) -> dict[str, Any]:
+            spec = generate(target, prompts, drafter=drafter, mode="spec", verify=verify, width=width,
+                            max_new_tokens=_MAX_NEW.value, stop_tokens=(), temperature=temperature, seed=seeds)
+            matched, offered, steps = (sum(getattr(r, k) for r in spec) for k in ("matched", "offered", "steps"))
+            row = dict(matched=matched, offered=offered, matched_per_offered=round(matched / max(offered, 1), 4),
+                       steps=steps, step_reduction=round(plain_steps / max(steps, 1), 3),
+                       tokens_per_step=round(sum(len(r.token_ids) for r in spec) / max(steps, 1), 3))
+            if verify == "exact":
+                row["identical_to_plain"] = all(s.token_ids == p.token_ids for s, p in zip(spec, plain))
+            if width == str(widest):
+                tokens, records = run_recorded(target, drafter, prompts, params, verify, widest)
                 if verify == "exact":
-                    row["identical_to_plain"] = all(s.token_ids == p.token_ids for s, p in zip(spec, plain))
-                if width == widest:
-                    tokens, records = run_recorded(target, drafter, prompts, params, verify, int(width))
-                    if verify == "exact":
-                        assert tokens == [s.token_ids for s in spec]
-                    row["calibration"] = calibration(records, _BINS.value)
-                entry["modes"][verify][width] = row
+                    assert tokens == [s.token_ids for s in spec]
+                row["calibration"] = calibration(records, _BINS.value)
+                row["fitted_thresholds"] = [round(t, 4) for t in refit(records)]
+            return row
+
+        for verify in _MODES.value:
+            rows = entry["modes"][verify] = {width: measure(verify, width) for width in _WIDTHS.value}
+            if str(widest) in rows:
+                policy = WidthPolicy("confidence", max_q=widest, thresholds=rows[str(widest)]["fitted_thresholds"])
+                rows["fitted"] = measure(verify, policy)
         report["temperatures"][str(temperature)] = entry
     text = json.dumps(report, indent=2)
     print(text)
     if _JSON.value:
         with open(_JSON.value, "w") as f:
             f.write(text + "\n")
+    if _MARKDOWN.value:
+        with open(_MARKDOWN.value, "w") as f:
+            f.write(markdown(report))
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """docs/sampling.md's tables: steps against plain sampling per temperature, mode and width; the width policy's
+    thresholds, stored and refitted; acceptance per slot and confidence bin at the widest width."""
+    steps = ["| T | mode | width | matched / offered | target steps | fewer steps than plain | output == plain |",
+             "|---|---|---|---|---|---|---|"]
+    fits = ["| T | mode | survival thresholds t_1.. |", "|---|---|---|",
+            f"| (any) | stored (greedy, `scripts/calibrate.py`) | {_numbers(report['stored_thresholds'])} |"]
+    bins = ["| T | mode | slot | reached | accepted | accepted (count) per mean confidence |",
+            "|---|---|---|---|---|---|"]
+    for temperature, entry in report["temperatures"].items():
+        for verify, rows in entry["modes"].items():
+            for width, row in rows.items():
+                same = {True: "yes", False: "NO"}.get(row.get("identical_to_plain"), "(another sample)")
+                steps.append(f"| {temperature} | {verify} | {width} | {row['matched']} / {row['offered']} "
+                             f"({row['matched_per_offered']:.2f}) | {row['steps']} (plain: {entry['plain_steps']}) "
+                             f"| {row['step_reduction']:.2f}x | {same} |")
+                if "fitted_thresholds" in row:
+                    fits.append(f"| {temperature} | {verify} | {_numbers(row['fitted_thresholds'])} |")
+                for slot in row.get("calibration", []):
+                    cells = ", ".join(f"{b['confidence']:.2f}: {b['accepted']:.2f} ({b['count']})"
+                                      for b in slot["bins"])
+                    bins.append(f"| {temperature} | {verify} | {slot['slot']} | {slot['reached']} | "
+                                f"{'-' if slot['acceptance'] is None else slot['acceptance']} | {cells} |")
+    return "\n\n".join("\n".join(table) for table in (steps, fits, bins)) + "\n"
+
+
+def _numbers(values: list[float]) -> str:
+    return ", ".join(f"{v:.2f}" for v in values) if values else "(none: no candidate offered)"
 
 
 if __name__ == "__main__":

@@ -126,6 +126,10 @@ def timed(label: str, fn) -> Timing:
     return Timing(results, seconds)
 
 
+def matched_per_offered(results: list[Result]) -> float:
+    return sum(r.matched for r in results) / max(1, sum(r.offered for r in results))
+
+
 def mismatch_rate(a: list[Result], b: list[Result]) -> float:
     return float(np.mean([x.token_ids != y.token_ids for x, y in zip(a, b)]))
 
@@ -227,7 +231,7 @@ def main(argv: list[str]) -> None:
             summary[key] = same_tokens(timings[name].results, ar_exact.results)
     if "spec_exact" in timings:
         spec = timings["spec_exact"].results
-        summary["oracle_matched_per_offered"] = sum(r.matched for r in spec) / max(1, sum(r.offered for r in spec))
+        summary["oracle_matched_per_offered"] = matched_per_offered(spec)
         summary["mean_accepted_tokens_per_step"] = sum(r.matched + r.steps for r in spec) / sum(r.steps for r in spec)
     if "plain_fast" in timings:
         summary["fast_plain_vs_exact_plain_mismatch"] = mismatch_rate(timings["plain_fast"].results, ar_exact.results)
@@ -241,6 +245,9 @@ def main(argv: list[str]) -> None:
     if "spec_fast" in timings and "plain_fast" in timings:
         summary["fast_spec_vs_fast_plain_mismatch"] = mismatch_rate(timings["spec_fast"].results,
                                                                     timings["plain_fast"].results)
+    if "spec_lossless" in timings:
+        # The oracle's candidates carry a point-mass q: lossless accepts each with the target's probability of it.
+        summary["lossless_matched_per_offered"] = matched_per_offered(timings["spec_lossless"].results)
     if "spec_old_exact" in timings:
         summary["old_exact_spec_equals_old_plain"] = same_tokens(timings["spec_old_exact"].results,
                                                                  timings["plain_old_exact"].results)

@@ -29,8 +29,12 @@
 # plain against XLA's width-1 program and exact speculative (oracle p = 0.8, q = 6) against the old fixed-width
 # exact mode; batch 64 spec == plain; everything in $OUT/invariance.tgz; run it alone) and `sampling` (the generation
 # benchmark with every run sampling at T = 0.7: plain vs exact and lossless speculative sampling, tok/s; run it
-# beside `generate` for the greedy numbers) and `scan` (issue 38: unrolled vs scanned layers at DS4's dims, compile
-# seconds, step ms and the cold and warm start to the first token; SCAN_LAYERS picks the layer counts).
+# beside `generate` for the greedy numbers, `bash scripts/device_suite.sh generate sampling`: each section is one
+# bench_generate.py run, files generate_bf16.{json,log} and generate_sampled_bf16.{json,log}; the lossless run's
+# oracle proposes plain sampling's tokens with a point-mass q, so each is accepted with the target's probability of
+# it: its lossless_matched_per_offered in the JSON says what acceptance its tok/s had) and `scan` (issue 38:
+# unrolled vs scanned layers at DS4's dims, compile seconds, step ms and the cold and warm start to the first token;
+# SCAN_LAYERS picks the layer counts).
 set -uo pipefail
 SECTIONS="${*:-tests kernels generate}"
 want() { [[ " $SECTIONS " == *" $1 "* ]]; }

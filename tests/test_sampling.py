@@ -299,6 +299,43 @@ def test_exact_spec_sampling_with_the_dspark_drafter(width):
     assert all(0 <= s.matched <= s.offered and s.offered > 0 for s in spec)
 
 
+class ProposalLog:
+    """A proposer passing every call to `inner` that keeps the third output of each sampled proposal."""
+
+    def __init__(self, inner):
+        self.inner, self.drawn_from = inner, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def propose_sampled(self, *args):
+        out = self.inner.propose_sampled(*args)
+        self.drawn_from.append(out[2])
+        return out
+
+
+def test_only_the_lossless_proposal_returns_the_logits_it_drew_from():
+    """Exact mode's sampled proposals return no [B, K, V] logits (only the lossless rule reads q); lossless
+    mode's return them; the candidates and confidences are the same either way."""
+    target, drafter = pair()
+    prompts = random_prompts(np.random.default_rng(10), 2)
+    for verify_mode, wanted in (("exact", False), ("lossless", True)):
+        log = ProposalLog(drafter)
+        generate(target, prompts, drafter=log, verify=verify_mode, width=6, max_new_tokens=6, stop_tokens=(),
+                 temperature=0.9, seed=[5, 6])
+        assert log.drawn_from and all((q is not None) == wanted for q in log.drawn_from), verify_mode
+    decoder = Decoder.for_prompts(target, drafter, speculative=True, lengths=[len(p) for p in prompts],
+                                  max_new_tokens=6, verify="exact", width=6, prefill_chunk=16, sample=True)
+    loop = decoder.init().replace(sampling=RowSampling.of([SamplingParams(0.9)] * 2, [5, 6]))
+    loop, _ = decoder.prefill(loop, {row: np.asarray(p) for row, p in enumerate(prompts)})
+    args = (loop.proposer, loop.seeds, loop.state.length, loop.sampling, sampling.DRAFT)
+    candidates, confidences, none = drafter.propose_sampled(*args, False)
+    *same, logits = drafter.propose_sampled(*args, True)
+    assert none is None
+    chex.assert_shape(logits, (2, drafter.block_size, VOCAB))
+    chex.assert_trees_all_equal(same, [candidates, confidences])
+
+
 def test_a_sequence_samples_the_same_tokens_in_any_batch_and_row():
     """Same seed and prompt: the same tokens alone, in a batch of 4 at another row, and speculatively."""
     target = tiny_target_model()

@@ -153,7 +153,7 @@ class Decoder:
             plain_proposal.compile(ints, self.block)
         else:
             self.proposer.precompile(loop.proposer, tuple({self.prefill_chunk, *self.widths}),
-                                     (loop.sampling, self.draft_noise) if self.sample else None)
+                                     (loop.sampling, self.draft_noise, self.lossless) if self.sample else None)
             _width_fn(self.policy).compile(jax.ShapeDtypeStruct((batch, self.block), jnp.float32),
                                            jax.ShapeDtypeStruct((batch,), jnp.float32))
 
@@ -203,7 +203,7 @@ class Decoder:
         if self.proposer is not None:
             if self.sample:
                 drafts, confidences, draft_logits = self.proposer.propose_sampled(
-                    loop.proposer, loop.seeds, loop.state.length, loop.sampling, self.draft_noise)
+                    loop.proposer, loop.seeds, loop.state.length, loop.sampling, self.draft_noise, self.lossless)
             else:
                 drafts, confidences = self.proposer.propose(loop.proposer, loop.seeds, loop.state.length)
             widths = _width_fn(self.policy)(confidences, loop.ewma)

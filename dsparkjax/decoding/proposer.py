@@ -38,10 +38,10 @@ class Proposer(Protocol):
     def init_state(self, batch: int, max_step: int) -> Any:
         """Empty proposer state for `batch` sequences and absorbed steps of up to `max_step` rows."""
 
-    def precompile(self, state: Any, widths: tuple[int, ...], sampled: tuple[RowSampling, int] | None = None
-                   ) -> None:
+    def precompile(self, state: Any, widths: tuple[int, ...],
+                   sampled: tuple[RowSampling, int, bool] | None = None) -> None:
         """Compile ahead of time whatever `absorb` (for these row counts) and `propose` will run; with
-        `sampled` (rows, purpose) `propose_sampled` instead of `propose`."""
+        `sampled` (rows, purpose, with_logits) `propose_sampled` instead of `propose`."""
 
     def absorb(self, state: Any, features: jax.Array, positions: jax.Array) -> Any:
         """Take the target features `[B, C, n_capture, D]` of rows at positions `[B, C]`."""
@@ -49,11 +49,12 @@ class Proposer(Protocol):
     def propose(self, state: Any, seeds: jax.Array, seed_pos: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Candidates int32 `[B, block_size]` and confidences float32 `[B, block_size]` after seeds `[B]`."""
 
-    def propose_sampled(self, state: Any, seeds: jax.Array, seed_pos: jax.Array, rows: RowSampling, purpose: int
-                        ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Sampled candidates, their confidences, and the logits float32 `[B, block_size, V]` each candidate was
-        drawn from (softmax of them is exactly the distribution sampled: the lossless rule's q). Candidate i
-        predicts position seed_pos + i + 1 and uses the keyed noise of that position and `purpose`."""
+    def propose_sampled(self, state: Any, seeds: jax.Array, seed_pos: jax.Array, rows: RowSampling, purpose: int,
+                        with_logits: bool) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+        """Sampled candidates, their confidences, and with `with_logits` (static; the lossless rule's) the
+        logits float32 `[B, block_size, V]` each candidate was drawn from (softmax of them is exactly the
+        distribution sampled: the lossless rule's q), else None. Candidate i predicts position
+        seed_pos + i + 1 and uses the keyed noise of that position and `purpose`."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -63,7 +64,7 @@ def _compiled(cfg: DrafterConfig, simulate_qat: bool, policy: KernelPolicy
     xla = policy.compiler_options
     return (AotFunction(model.absorb, donate_argnums=(1,), compiler_options=xla),
             AotFunction(model.propose, compiler_options=xla),
-            AotFunction(model.propose_sampled, static_argnums=(7,), compiler_options=xla))
+            AotFunction(model.propose_sampled, static_argnums=(7, 8), compiler_options=xla))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +93,7 @@ class Drafter:
         return init_drafter_state(self.config, batch, max_step, self.target.dtype)
 
     def precompile(self, state: DrafterState, widths: tuple[int, ...],
-                   sampled: tuple[RowSampling, int] | None = None) -> None:
+                   sampled: tuple[RowSampling, int, bool] | None = None) -> None:
         absorb, propose, propose_sampled = self._programs()
         batch, dim = state.last_position.shape[0], self.config.hidden_size
         n_cap = len(self.capture_layers)
@@ -114,9 +115,9 @@ class Drafter:
                                    seed_pos)
 
     def propose_sampled(self, state: DrafterState, seeds: jax.Array, seed_pos: jax.Array, rows: RowSampling,
-                        purpose: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+                        purpose: int, with_logits: bool) -> tuple[jax.Array, jax.Array, jax.Array | None]:
         return self._programs()[2](self.params, self.target.params.embed, self.target.params.head, state, seeds,
-                                   seed_pos, rows, purpose)
+                                   seed_pos, rows, purpose, with_logits)
 
     def _programs(self) -> tuple[AotFunction, AotFunction, AotFunction]:
         return _compiled(self.config, self.target.simulate_qat, self.target.options().policy)

@@ -119,13 +119,15 @@ class DrafterModel:
 
     @routed
     def propose_sampled(self, params: DrafterParams, embed: jax.Array, head: jax.Array, state: DrafterState,
-                        seeds: jax.Array, seed_pos: jax.Array, rows: RowSampling, purpose: int
-                        ) -> tuple[jax.Array, jax.Array, jax.Array]:
+                        seeds: jax.Array, seed_pos: jax.Array, rows: RowSampling, purpose: int, with_logits: bool
+                        ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
         """Draft `block_size` candidates after each seed by sampling each row's warped logits (Markov bias
         included) with the keyed noise of `purpose` at its position (decoding/sampling.py).
 
-        Returns (candidates int32 `[B, block_size]`, confidences float32 `[B, block_size]`, the warped logits
-        float32 `[B, block_size, V]` each candidate was drawn from: softmax of them is the lossless rule's q).
+        Returns (candidates int32 `[B, block_size]`, confidences float32 `[B, block_size]`, and with
+        `with_logits` the warped logits float32 `[B, block_size, V]` each candidate was drawn from (softmax of
+        them is the lossless rule's q), else None: exact mode never reads them, so its program neither stacks
+        nor writes them out).
         """
         hidden = self.block_hidden(params, embed, state, seeds, seed_pos)
 
@@ -133,7 +135,9 @@ class DrafterModel:
             tokens, warped = sampling.draw(row[:, None], rows, seed_pos[:, None] + i + 1, purpose)
             return tokens[:, 0], warped[:, 0]
 
-        return self._markov_chain(params, hidden, self.block_logits(params, hidden, head), seeds, pick)
+        candidates, confidences, drawn_from = self._markov_chain(
+            params, hidden, self.block_logits(params, hidden, head), seeds, pick)
+        return candidates, confidences, drawn_from if with_logits else None
 
     def block_logits(self, params: DrafterParams, hidden: jax.Array, head: jax.Array) -> jax.Array:
         """The base logits of the block rows before the Markov bias: the drafter's norm, then the target's

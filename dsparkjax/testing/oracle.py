@@ -52,13 +52,13 @@ class OracleProposer:
         truth, wrong = state
         return _propose(truth, wrong, seed_pos, self.block_size, self.vocab, self.bad_id)
 
-    def propose_sampled(self, state: Any, seeds: jax.Array, seed_pos: jax.Array, rows: Any, purpose: int
-                        ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def propose_sampled(self, state: Any, seeds: jax.Array, seed_pos: jax.Array, rows: Any, purpose: int,
+                        with_logits: bool) -> tuple[jax.Array, jax.Array, jax.Array | None]:
         """The same candidates, each drawn from a point mass on itself: logits 0 there, −inf elsewhere (a valid
         q for the lossless rule, which then accepts a candidate with the target's probability of it)."""
         del rows, purpose
         candidates, confidences = self.propose(state, seeds, seed_pos)
-        return candidates, confidences, _point_mass(candidates, self.vocab)
+        return candidates, confidences, _point_mass(candidates, self.vocab) if with_logits else None
 
 
 @functools.partial(jax.jit, static_argnums=(3, 4, 5))
