@@ -16,7 +16,7 @@ import json
 import sys
 import time
 
-from absl import app, flags, logging
+from absl import flags, logging
 
 from dsparkjax import chat, cli_inputs, runtime
 from dsparkjax.decoding.generate import generate
@@ -148,8 +148,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        app.run(main)
-    except DsparkError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(1)
+    cli_inputs.run_main(main)

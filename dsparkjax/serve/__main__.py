@@ -12,9 +12,10 @@ from __future__ import annotations
 import os
 import sys
 
-from absl import app, flags, logging
+from absl import flags, logging
 
 from dsparkjax import runtime
+from dsparkjax.cli_inputs import run_main
 from dsparkjax.embedded import load_pair
 from dsparkjax.errors import DsparkError
 from dsparkjax.serve import EMBEDDED_MODEL
@@ -64,8 +65,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        app.run(main)
-    except DsparkError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(1)
+    run_main(main)
