@@ -9,7 +9,6 @@ deliberately wrong elsewhere (rejections), and with the real DSpark drafter (ran
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 
 import chex
@@ -19,38 +18,25 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from model_helpers import (
+    VOCAB,
     decode_single,
     fresh_state,
     max_rel_err,
     prefill,
+    random_prompts,
     random_tokens,
     step_fn,
-    tiny_pair_paths,
+    tiny_pair_model,
     tiny_target_model,
     visible_state,
 )
 
 from dsparkjax.decoding.generate import generate
-from dsparkjax.decoding.proposer import load_drafter
 from dsparkjax.errors import DsparkError, TokenIdError
 from dsparkjax.model.drafter import DrafterModel
 from dsparkjax.model.layers import rms_norm
 from dsparkjax.decoding.width import WidthPolicy, accepted_candidates, ewma_update
-from dsparkjax.target_api import load_target
 from dsparkjax.testing.oracle import oracle_for
-
-VOCAB = 512
-
-
-@functools.lru_cache(maxsize=None)
-def pair(seed: int = 0):
-    target_path, draft_path = tiny_pair_paths(seed)
-    target = load_target(target_path)
-    return target, load_drafter(draft_path, target)
-
-
-def random_prompts(rng: np.random.Generator, batch: int, max_len: int = 20) -> list[list[int]]:
-    return [rng.integers(0, VOCAB, int(rng.integers(1, max_len + 1))).tolist() for _ in range(batch)]
 
 
 # -- exactness ---------------------------------------------------------------------------------------------
@@ -88,7 +74,7 @@ def test_width_one_is_plain_decoding_through_the_verifier():
 @pytest.mark.parametrize("width", ["adaptive", 4])
 def test_exact_spec_equals_greedy_with_dspark_drafter(width):
     """The real (random, so mostly disagreeing) DSpark drafter: exact mode still reproduces greedy output."""
-    target, drafter = pair()
+    target, drafter = tiny_pair_model()
     prompts = random_prompts(np.random.default_rng(7), 3)
     plain = generate(target, prompts, drafter=drafter, mode="ar", max_new_tokens=16, stop_tokens=())
     spec = generate(target, prompts, drafter=drafter, max_new_tokens=16, width=width, stop_tokens=())
@@ -195,7 +181,7 @@ def test_generate_compiles_nothing_after_its_clock_starts(monkeypatch, mode, ver
 
     import dsparkjax.decoding.generate as gen
 
-    target, drafter = pair()
+    target, drafter = tiny_pair_model()
     clock, late = {"started": False}, []
 
     class Clock:  # generate's `time`: its first perf_counter() call starts the clock
@@ -314,7 +300,7 @@ def test_hash_table_bounds_on_draft_tokens():
 
 def test_confidence_reads_pre_norm_hidden():
     """§6.8: with a one-hot confidence weight, confidence == sigmoid(pre-norm hidden[0]), not the normed one."""
-    target, drafter = pair()
+    target, drafter = tiny_pair_model()
     cfg = drafter.config
     onehot = jnp.zeros((cfg.confidence_dim,), jnp.float32).at[0].set(1.0)
     params = drafter.params.replace(confidence_w=onehot, confidence_b=None)
@@ -367,7 +353,7 @@ def test_bad_arguments_are_rejected():
     with pytest.raises(DsparkError, match="needs a drafter"):
         generate(target, [[1]], mode="spec")
     with pytest.raises(DsparkError, match="width must be"):
-        generate(target, [[1]], drafter=pair()[1], width=9)
+        generate(target, [[1]], drafter=tiny_pair_model()[1], width=9)
     with pytest.raises(TokenIdError, match="prompt 1: id 600"):
         generate(target, [[1], [600]])
 
