@@ -1,4 +1,5 @@
-"""Checks of the command-line inputs of scripts/generate.py, done before any model loads or runs.
+"""Checks of the command-line inputs of scripts/generate.py, done before any model loads or runs, and
+`run_main`, which turns the DsparkError of any command (`generate.py`, `python -m dsparkjax.serve`) into one line.
 
 Each check raises CliInputError, whose message names the flag and the file or value, so the script can
 print it and exit non-zero without a traceback. A prompts file that is missing, not UTF-8, malformed or
@@ -10,7 +11,11 @@ so a long run is not lost at the end. The sampling flags must make a valid `Samp
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import Callable
 from pathlib import Path
+
+from absl import app
 
 from dsparkjax import chat
 from dsparkjax.decoding.sampling import SamplingParams, check_seed
@@ -80,3 +85,13 @@ def sampling_flags(temperature: float, top_k: int, top_p: float, min_p: float, s
         return SamplingParams(temperature, top_k, top_p, min_p), check_seed(seed)
     except ArgumentError as err:  # its message starts with the parameter's name, which is the flag's
         raise CliInputError(f"--{err}") from None
+
+
+def run_main(main: Callable[[list[str]], None]) -> None:
+    """`absl.app.run(main)`, where a DsparkError (bad input: a flag, a file) prints `error: <message>` on stderr
+    and exits with status 1, instead of a traceback."""
+    try:
+        app.run(main)
+    except DsparkError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(1)

@@ -23,10 +23,8 @@ import json
 from absl import app, flags, logging
 
 from dsparkjax.decoding.generate import generate
-from dsparkjax.decoding.proposer import load_drafter
 from dsparkjax.decoding.width import LUCEBOX_THRESHOLDS, WidthPolicy
-from dsparkjax.embedded import embedded_pair
-from dsparkjax.target_api import load_target
+from dsparkjax.embedded import load_pair
 from dsparkjax.training.corpus import held_out_prompts
 
 _TARGET = flags.DEFINE_string("target", None, "Target GGUF (default: the embedded target).")
@@ -46,12 +44,7 @@ _GOAL_RATE, _GOAL_STEPS = 0.6, 1.5  # issue 39: matched/offered and the step red
 def main(argv: list[str]) -> None:
     del argv
     logging.set_verbosity(logging.WARNING)
-    target_path, draft_path = _TARGET.value, _DRAFT.value
-    if target_path is None:
-        target_path, embedded_draft = embedded_pair()
-        draft_path = draft_path or embedded_draft
-    target = load_target(target_path)
-    drafter = load_drafter(draft_path, target)
+    target, drafter, target_path, draft_path = load_pair(_TARGET.value, _DRAFT.value, need_drafter=True)
     prompts = held_out_prompts(target.tokenizer, _PROMPTS.value, _PROMPT_LEN.value, _SEED.value,
                                _PROMPT_DIR.value)
     stop = ()  # no stop token: every run makes max_new_tokens tokens

@@ -29,11 +29,10 @@ from absl import app, flags, logging
 from dsparkjax.decoding.decoder import Decoder
 from dsparkjax.decoding.engine import Engine
 from dsparkjax.decoding.generate import generate
-from dsparkjax.decoding.proposer import Proposer, load_drafter
+from dsparkjax.decoding.proposer import Proposer
 from dsparkjax.decoding.sampling import RowSampling, SamplingParams
 from dsparkjax.decoding.width import WidthPolicy
-from dsparkjax.embedded import embedded_pair
-from dsparkjax.target_api import load_target
+from dsparkjax.embedded import load_pair
 from dsparkjax.training import calibration as fit
 from dsparkjax.training.corpus import held_out_prompts
 
@@ -128,12 +127,7 @@ def refit(steps: list[tuple[np.ndarray, int]]) -> tuple[float, ...]:
 def main(argv: list[str]) -> None:
     del argv
     logging.set_verbosity(logging.WARNING)
-    target_path, draft_path = _TARGET.value, _DRAFT.value
-    if target_path is None:
-        target_path, embedded_draft = embedded_pair()
-        draft_path = draft_path or embedded_draft
-    target = load_target(target_path)
-    drafter = load_drafter(draft_path, target)
+    target, drafter, target_path, draft_path = load_pair(_TARGET.value, _DRAFT.value, need_drafter=True)
     prompts = held_out_prompts(target.tokenizer, _PROMPTS.value, _PROMPT_LEN.value, _SEED.value)
     report: dict[str, Any] = dict(target=target_path, draft=draft_path, prompts=len(prompts),
                                   prompt_len=_PROMPT_LEN.value, max_new_tokens=_MAX_NEW.value, seed=_SEED.value,

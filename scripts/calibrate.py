@@ -20,9 +20,7 @@ import json
 import numpy as np
 from absl import app, flags, logging
 
-from dsparkjax.decoding.proposer import load_drafter
-from dsparkjax.embedded import embedded_pair
-from dsparkjax.target_api import load_target
+from dsparkjax.embedded import load_pair
 from dsparkjax.training import calibration
 from dsparkjax.training.corpus import held_out_prompts
 
@@ -73,12 +71,7 @@ def report(proposals: calibration.Proposals, bins: int, break_even: float) -> di
 def main(argv: list[str]) -> None:
     del argv
     logging.set_verbosity(logging.WARNING)
-    target_path, draft_path = _TARGET.value, _DRAFT.value
-    if target_path is None:
-        target_path, embedded_draft = embedded_pair()
-        draft_path = draft_path or embedded_draft
-    target = load_target(target_path)
-    drafter = load_drafter(draft_path, target)
+    target, drafter, target_path, draft_path = load_pair(_TARGET.value, _DRAFT.value, need_drafter=True)
     prompts = held_out_prompts(target.tokenizer, _PROMPTS.value, _PROMPT_LEN.value, _SEED.value,
                                _PROMPT_DIR.value)
     proposals = calibration.proposals_on(target, drafter, prompts, _NEW.value)

@@ -16,14 +16,12 @@ import json
 import sys
 import time
 
-from absl import app, flags, logging
+from absl import flags, logging
 
 from dsparkjax import chat, cli_inputs, runtime
 from dsparkjax.decoding.generate import generate
-from dsparkjax.decoding.proposer import load_drafter
-from dsparkjax.embedded import embedded_pair
+from dsparkjax.embedded import load_pair
 from dsparkjax.errors import DsparkError
-from dsparkjax.target_api import load_target
 
 DEFAULT_PROMPTS = (  # the embedded pair writes Python (it was trained on the standard library)
     "import os\nimport sys\n\n\ndef main(",
@@ -99,14 +97,10 @@ def main(argv: list[str]) -> None:
     params, seed = cli_inputs.sampling_flags(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value, _MIN_P.value,
                                              _SEED.value)
     runtime.configure()  # before JAX starts: device memory for a full-size model, the compilation cache
-    target_path, draft_path = _TARGET.value, _DRAFT.value
-    if target_path is None:
-        target_path, embedded_draft = embedded_pair()
-        draft_path = draft_path or embedded_draft
-    target = load_target(target_path, dtype=_DTYPE.value, simulate_qat=_QAT.value, progress=True)
-    drafter = load_drafter(draft_path, target, progress=True) if draft_path else None
-    if _MODE.value == "spec" and drafter is None:
+    if _MODE.value == "spec" and _TARGET.value is not None and not _DRAFT.value:
         raise DsparkError("--mode spec needs --draft")
+    target, drafter, _, _ = load_pair(_TARGET.value, _DRAFT.value, progress=True, dtype=_DTYPE.value,
+                                      simulate_qat=_QAT.value)
     prompts = _prompts(target.tokenizer, texts, id_prompts)
     tok = target.tokenizer
     decoders = [tok.incremental_decoder() if tok else None for _ in prompts]
@@ -154,8 +148,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        app.run(main)
-    except DsparkError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(1)
+    cli_inputs.run_main(main)

@@ -1,4 +1,5 @@
-"""Test session setup: fast XLA compiles on CPU, opt-in markers, and shared tiny-pair fixtures."""
+"""Test session setup: fast XLA compiles on CPU, opt-in markers, freeing compiled programs (per module and near
+the kernel's map limit), and shared tiny-pair fixtures."""
 
 from __future__ import annotations
 
@@ -33,50 +34,52 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 MAP_HEADROOM = 30000  # memory mappings a test may add before the next would risk vm.max_map_count
 
 
-def _map_count() -> int:
-    """The process's memory mappings (Linux), else 0."""
+def _map_room() -> int | None:
+    """How many more memory mappings the kernel allows this process (Linux: vm.max_map_count minus the
+    mappings now in /proc/self/maps); None where that cannot be read."""
     try:
-        with open("/proc/self/maps", "rb") as maps:
-            return sum(1 for _ in maps)
+        with open("/proc/sys/vm/max_map_count") as limit, open("/proc/self/maps", "rb") as maps:
+            return int(limit.read()) - sum(1 for _ in maps)
     except OSError:
-        return 0
+        return None
 
 
-@pytest.fixture(autouse=True)
-def _release_compiled_programs_near_the_map_limit():
-    """Drop every compiled program after a test that left the process within `MAP_HEADROOM` mappings of the
-    kernel's limit: exact mode compiles one program per width, and one module (test_spec.py) compiled enough
-    of them to crash XLA's CPU compiler mid-module (SIGSEGV at 65530 mappings)."""
-    yield
-    try:
-        with open("/proc/sys/vm/max_map_count") as limit:
-            room = int(limit.read()) - _map_count()
-    except OSError:
-        return
-    if room < MAP_HEADROOM:
-        _clear_compiled_programs()
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
+    """Drop every compiled program after the last test of a module, and after any test that left the process
+    within `MAP_HEADROOM` mappings of the kernel's limit.
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _release_compiled_programs():
-    """Drop every compiled program when a test module ends.
-
-    Each XLA CPU executable keeps its own memory mappings; the whole suite compiles thousands of programs, and
-    holding them all ran the process towards the kernel's map limit (vm.max_map_count, 65530) until XLA's CPU
-    compiler crashed (SIGSEGV/SIGABRT) late in the suite. Programs are cached by JAX and by lru_cache'd builders
-    (the package's compiled steps, the tests' model helpers), so both are cleared.
+    Each XLA CPU executable keeps its own memory mappings. Holding every program the suite compiles ran the
+    process towards vm.max_map_count (65530) until XLA's CPU compiler crashed (SIGSEGV/SIGABRT) late in the
+    suite, so each module's programs are freed when it ends (this also bounds memory); and exact mode compiles
+    one program per width, enough within one module (test_spec.py) to crash it mid-module, hence the check
+    after every test. It runs after the test's own teardown, so module-scoped fixtures have already let go of
+    the programs they held.
     """
-    yield
-    _clear_compiled_programs()
+    try:
+        return (yield)
+    finally:
+        module_ends = nextitem is None or nextitem.getparent(pytest.Module) is not item.getparent(pytest.Module)
+        room = _map_room()
+        if module_ends or (room is not None and room < MAP_HEADROOM):
+            _clear_compiled_programs()
+
+
+def is_program_cache(obj: object) -> bool:
+    """An lru_cache'd builder that may hold compiled programs or models: the package's compiled steps and the
+    tests' model helpers (`model_helpers`, `hf_reference`, and those defined in test modules)."""
+    return type(obj) is functools._lru_cache_wrapper and getattr(obj, "__module__", "").startswith(
+        ("dsparkjax", "test_", "model_helpers", "hf_reference"))
 
 
 def _clear_compiled_programs() -> None:
+    """Clear JAX's caches, every `is_program_cache` and the module-level AotFunctions (which outlive the caches:
+    they would not compile again), then collect what they held."""
     jax.clear_caches()
     for obj in gc.get_objects():
-        if type(obj) is functools._lru_cache_wrapper and getattr(obj, "__module__", "").startswith(
-                ("dsparkjax", "test_", "model_helpers", "hf_reference")):
+        if is_program_cache(obj):
             obj.cache_clear()
-        elif isinstance(obj, AotFunction):  # module-level ones outlive the caches: they would not compile again
+        elif isinstance(obj, AotFunction):
             obj.clear()
     gc.collect()
 

@@ -1,4 +1,9 @@
-"""Shared helpers for the model and speculative-decoding tests: a tiny target, stepping, visible state."""
+"""Shared helpers for the model and speculative-decoding tests: a tiny target and pair, random prompts,
+stepping, visible state.
+
+The cached models here (`tiny_target_model`, `tiny_pair_model`) hold compiled programs; conftest.py clears
+every lru_cache of this module when a test module ends, so each test module compiles its own and frees them.
+"""
 
 from __future__ import annotations
 
@@ -13,12 +18,15 @@ import numpy as np
 
 from dsparkjax.config import DrafterConfig, TargetConfig, tiny_drafter, tiny_target
 from dsparkjax.decoding.program import step_program
+from dsparkjax.decoding.proposer import Drafter
+from dsparkjax.embedded import load_pair
 from dsparkjax.ggufio import write_model_gguf
 from dsparkjax.model.state import DecodeState, commit, init_state
 from dsparkjax.target_api import Target, load_target
 from dsparkjax.tiny import tiny_pair, write_tiny_pair
 
 MAX_STEP = 16
+VOCAB = 512  # tiny_target()'s vocabulary, the tiny pair's
 
 
 @functools.lru_cache(maxsize=None)
@@ -35,6 +43,19 @@ def tiny_target_model(seed: int = 0, simulate_qat: bool = True, swiglu_limit: fl
 def tiny_pair_paths(seed: int = 0) -> tuple[str, str]:
     """Paths of a tiny target/drafter pair with a tokenizer."""
     return write_tiny_pair(tempfile.mkdtemp(prefix="dsparkjax-pair-"), seed=seed)
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_pair_model(seed: int = 0) -> tuple[Target, Drafter]:
+    """The loaded (target, DSpark drafter) of `tiny_pair_paths(seed)`: random weights, so the drafter mostly
+    disagrees with the target."""
+    target, drafter, _, _ = load_pair(*tiny_pair_paths(seed), need_drafter=True)
+    return target, drafter
+
+
+def random_prompts(rng: np.random.Generator, batch: int, max_len: int = 20) -> list[list[int]]:
+    """`batch` prompts of 1..max_len token ids drawn uniformly from the tiny pair's vocabulary."""
+    return [rng.integers(0, VOCAB, int(rng.integers(1, max_len + 1))).tolist() for _ in range(batch)]
 
 
 def step_fn(target: Target, capture: tuple[int, ...] = ()):

@@ -2,31 +2,18 @@
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from model_helpers import fresh_state, step_fn, tiny_pair_paths, tiny_target_model
+from model_helpers import VOCAB, fresh_state, step_fn, tiny_pair_model, tiny_target_model
 
 from dsparkjax.decoding.decoder import Decoder
 from dsparkjax.decoding.engine import Engine
 from dsparkjax.decoding.generate import generate
-from dsparkjax.decoding.proposer import load_drafter
 from dsparkjax.errors import CapacityError
 from dsparkjax.model import ring
-from dsparkjax.target_api import load_target
 from dsparkjax.testing.oracle import oracle_for
-
-VOCAB = 512
-
-
-@functools.lru_cache(maxsize=None)
-def pair(seed: int = 0):
-    target_path, draft_path = tiny_pair_paths(seed)
-    target = load_target(target_path)
-    return target, load_drafter(draft_path, target)
 
 
 # -- rings and capacity ------------------------------------------------------------------------------------
@@ -61,7 +48,7 @@ def test_step_past_max_len_is_refused():
 
 
 def test_drafter_absorb_wider_than_its_rings_is_refused():
-    _, drafter = pair()
+    _, drafter = tiny_pair_model()
     state = drafter.init_state(1, 6)
     features = jnp.zeros((1, 7, len(drafter.capture_layers), drafter.config.hidden_size), jnp.float32)
     with pytest.raises(CapacityError, match="7 rows, wider than its context state's max_step 6"):
@@ -118,7 +105,7 @@ def test_prefill_and_step_donate_the_loop_state():
 def test_engine_admits_and_releases_mid_run_with_each_sequences_own_tokens(speculative):
     """Two rows, three sequences: B joins while A runs, C takes the first row released. Each sequence's
     tokens equal `generate` on it alone (exact mode: a row's tokens do not depend on the other rows)."""
-    target, drafter = pair()
+    target, drafter = tiny_pair_model()
     prompts = {"A": [5, 6, 7, 8, 9], "B": [11, 12, 13], "C": [20, 21, 22, 23, 24, 25, 26]}
     wanted = {"A": 9, "B": 7, "C": 8}
     decoder = Decoder.for_prompts(target, drafter, speculative=speculative, lengths=[7, 7], max_new_tokens=12,

@@ -5,7 +5,6 @@ The statistical test of lossless decoding on the trained pair is tests/test_samp
 
 from __future__ import annotations
 
-import functools
 import itertools
 
 import chex
@@ -15,30 +14,15 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from model_helpers import tiny_pair_paths, tiny_target_model
+from model_helpers import VOCAB, random_prompts, tiny_pair_model, tiny_target_model
 
 from dsparkjax.decoding import sampling, verify
 from dsparkjax.decoding.decoder import Decoder
 from dsparkjax.decoding.engine import Engine
 from dsparkjax.decoding.generate import generate
-from dsparkjax.decoding.proposer import load_drafter
 from dsparkjax.decoding.sampling import RowSampling, SamplingParams
 from dsparkjax.errors import ArgumentError
-from dsparkjax.target_api import load_target
 from dsparkjax.testing.oracle import oracle_for
-
-VOCAB = 512
-
-
-@functools.lru_cache(maxsize=None)
-def pair(seed: int = 0):
-    target_path, draft_path = tiny_pair_paths(seed)
-    target = load_target(target_path)
-    return target, load_drafter(draft_path, target)
-
-
-def random_prompts(rng: np.random.Generator, batch: int, max_len: int = 12) -> list[list[int]]:
-    return [rng.integers(0, VOCAB, int(rng.integers(1, max_len + 1))).tolist() for _ in range(batch)]
 
 
 def ids(results) -> list[list[int]]:
@@ -275,7 +259,7 @@ def test_exact_spec_sampling_equals_plain_sampling(model, batch, width, params, 
     the plain run's tokens (acceptances) and is wrong at 40 % of positions (rejections)."""
     target = tiny_target_model(model)
     rng = np.random.default_rng(data.draw(st.integers(0, 10**6)))
-    prompts = random_prompts(rng, batch)
+    prompts = random_prompts(rng, batch, max_len=12)
     seeds = rng.integers(0, 2**32, batch).tolist()
     kwargs = dict(max_new_tokens=data.draw(st.integers(12, 20)), stop_tokens=(), temperature=params.temperature,
                   top_k=params.top_k, top_p=params.top_p, min_p=params.min_p, seed=seeds)
@@ -290,8 +274,8 @@ def test_exact_spec_sampling_equals_plain_sampling(model, batch, width, params, 
 @pytest.mark.parametrize("width", ["adaptive", 5])
 def test_exact_spec_sampling_with_the_dspark_drafter(width):
     """The real DSpark drafter sampling with the target's keyed noise: output == plain sampling."""
-    target, drafter = pair()
-    prompts = random_prompts(np.random.default_rng(9), 3)
+    target, drafter = tiny_pair_model()
+    prompts = random_prompts(np.random.default_rng(9), 3, max_len=12)
     kwargs = dict(max_new_tokens=12, stop_tokens=(), temperature=0.8, top_k=40, seed=[3, 1, 4])
     plain = generate(target, prompts, drafter=drafter, mode="ar", **kwargs)
     spec = generate(target, prompts, drafter=drafter, width=width, **kwargs)
@@ -339,7 +323,7 @@ def test_only_the_lossless_proposal_returns_the_logits_it_drew_from():
 def test_a_sequence_samples_the_same_tokens_in_any_batch_and_row():
     """Same seed and prompt: the same tokens alone, in a batch of 4 at another row, and speculatively."""
     target = tiny_target_model()
-    prompts = random_prompts(np.random.default_rng(11), 4)
+    prompts = random_prompts(np.random.default_rng(11), 4, max_len=12)
     kwargs = dict(max_new_tokens=10, stop_tokens=(), temperature=1.0)
     batch = generate(target, prompts, seed=[10, 20, 30, 40], **kwargs)
     alone = generate(target, prompts[2:3], seed=[30], **kwargs)
@@ -353,7 +337,7 @@ def test_rows_with_different_parameters_share_one_engine():
     """Per-row sampling parameters: greedy rows give greedy output, sampled rows their own seeded output,
     all in one engine whose programs compile once."""
     target = tiny_target_model()
-    prompts = random_prompts(np.random.default_rng(12), 3)
+    prompts = random_prompts(np.random.default_rng(12), 3, max_len=12)
     hot, cold = SamplingParams(1.2, top_p=0.9), SamplingParams(0.5, top_k=8)
     greedy = generate(target, prompts[:1], max_new_tokens=8, stop_tokens=())
     want_hot = generate(target, prompts[1:2], max_new_tokens=8, stop_tokens=(), temperature=1.2, top_p=0.9, seed=7)
@@ -372,8 +356,8 @@ def test_rows_with_different_parameters_share_one_engine():
 
 
 def test_temperature_zero_is_greedy_in_every_mode():
-    target, drafter = pair()
-    prompts = random_prompts(np.random.default_rng(13), 2)
+    target, drafter = tiny_pair_model()
+    prompts = random_prompts(np.random.default_rng(13), 2, max_len=12)
     greedy = generate(target, prompts, max_new_tokens=8, stop_tokens=())
     for verify_mode in ("exact", "lossless"):
         assert ids(generate(target, prompts, drafter=drafter, verify=verify_mode, max_new_tokens=8,
@@ -383,8 +367,8 @@ def test_temperature_zero_is_greedy_in_every_mode():
 def test_lossless_spec_is_reproducible():
     """Lossless mode: tokens depend on the seeds only (same run twice, and a sequence alone, on the
     batch-invariant step); candidates are accepted."""
-    target, drafter = pair()
-    prompts = random_prompts(np.random.default_rng(14), 3)
+    target, drafter = tiny_pair_model()
+    prompts = random_prompts(np.random.default_rng(14), 3, max_len=12)
     kwargs = dict(drafter=drafter, verify="lossless", max_new_tokens=12, stop_tokens=(), temperature=1.0, width=6)
     first = generate(target, prompts, seed=[1, 2, 3], **kwargs)
     assert ids(generate(target, prompts, seed=[1, 2, 3], **kwargs)) == ids(first)

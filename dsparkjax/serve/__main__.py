@@ -12,14 +12,13 @@ from __future__ import annotations
 import os
 import sys
 
-from absl import app, flags, logging
+from absl import flags, logging
 
 from dsparkjax import runtime
-from dsparkjax.decoding.proposer import load_drafter
-from dsparkjax.embedded import embedded_pair
+from dsparkjax.cli_inputs import run_main
+from dsparkjax.embedded import load_pair
 from dsparkjax.errors import DsparkError
 from dsparkjax.serve import EMBEDDED_MODEL
-from dsparkjax.target_api import load_target
 
 _TARGET = flags.DEFINE_string("target", None, "Target GGUF (default: the embedded tiny target).")
 _DRAFT = flags.DEFINE_string("draft", None, "DSpark drafter GGUF (default with the embedded target: its drafter).")
@@ -49,15 +48,11 @@ def main(argv: list[str]) -> None:
 
     logging.set_verbosity(logging.WARNING)
     runtime.configure()  # before JAX starts: device memory for a full-size model, the compilation cache
-    target_path, draft_path, name = _TARGET.value, _DRAFT.value, _MODEL_NAME.value
-    if target_path is None:
-        target_path, embedded_draft = embedded_pair()
-        draft_path, name = draft_path or embedded_draft, name or EMBEDDED_MODEL
-    name = name or os.path.basename(target_path).removesuffix(".gguf")
-    target = load_target(target_path, dtype=_DTYPE.value, progress=True)
+    target, drafter, target_path, _ = load_pair(_TARGET.value, _DRAFT.value, progress=True, dtype=_DTYPE.value)
     if target.tokenizer is None:
         raise DsparkError(f"{target_path}: the server needs the tokenizer in the target GGUF, and it has none")
-    drafter = load_drafter(draft_path, target, progress=True) if draft_path else None
+    default_name = EMBEDDED_MODEL if _TARGET.value is None else os.path.basename(target_path).removesuffix(".gguf")
+    name = _MODEL_NAME.value or default_name
     context = _MAX_CONTEXT.value or min(target.config.context_length, 4096)
     print(f"compiling the engine: {_MAX_BATCH.value} rows of {context} positions, "
           f"{'speculative' if drafter else 'plain'} exact decoding", file=sys.stderr)
@@ -70,8 +65,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        app.run(main)
-    except DsparkError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(1)
+    run_main(main)
