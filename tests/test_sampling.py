@@ -301,7 +301,7 @@ class ProposalLog:
 def test_only_the_lossless_proposal_returns_the_logits_it_drew_from():
     """Exact mode's sampled proposals return no [B, K, V] logits (only the lossless rule reads q); lossless
     mode's return them; the candidates and confidences are the same either way."""
-    target, drafter = pair()
+    target, drafter = tiny_pair_model()
     prompts = random_prompts(np.random.default_rng(10), 2)
     for verify_mode, wanted in (("exact", False), ("lossless", True)):
         log = ProposalLog(drafter)
