@@ -26,7 +26,6 @@ from typing import Any, Callable
 import jax
 from jax import export
 
-
 SUBDIR = "exported"
 SUFFIX = ".jaxexp"
 _MAGIC = b"dsjaxexp1"  # the entry layout: magic, SHA-256 of the payload, payload (pickle of out treedef, bytes)
@@ -164,6 +163,7 @@ def _write(path: Path, out_tree: Any, blob: bytes) -> None:
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(_MAGIC + hashlib.sha256(payload).digest() + payload)
+            os.chmod(tmp, 0o644)  # as the compilation cache's entries (mkstemp makes it private)
             os.replace(tmp, path)
         except BaseException:
             os.unlink(tmp)
