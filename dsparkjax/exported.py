@@ -57,10 +57,10 @@ def call(fn: Callable[..., Any], cache_name: str, compiler_options: dict[str, An
     path = Path(folder) / (key + SUFFIX)
     entry = _read(path)
     if entry is None:
-        exported = _export(fn, leaves, in_tree, dynamic, avals)
-        if exported is None:
+        made = _export(fn, leaves, in_tree, dynamic, avals)
+        if made is None:
             return fn(*args, **kwargs)
-        out_tree, blob = exported
+        out_tree, blob = made
         _write(path, out_tree, blob)
         entry = out_tree, export.deserialize(blob)  # what a warm start loads: both compile the same module
     out_tree, program = entry
@@ -148,7 +148,7 @@ def _read(path: Path) -> tuple[Any, export.Exported] | None:
     try:
         out_tree, blob = pickle.loads(payload)
         return out_tree, export.deserialize(blob)
-    except Exception as e:  # an entry written by another environment: whatever it raises means "export again"
+    except Exception as e:  # a whole entry this jax cannot load (the key should prevent it): export it again
         logging.warning("dsparkjax.exported: cannot load %s (%s: %s); exporting the program again", path,
                         type(e).__name__, e)
         return None
