@@ -252,7 +252,7 @@ echo "   shapes only) started twice on one cache: seconds to trace + lower and t
 python3 -m pytest -q tests/test_exported.py 2>&1 | tail -3
 rm -rf /tmp/warmstart_cache
 for run in cold warm; do
-  DSPARKJAX_CACHE=/tmp/warmstart_cache python3 scripts/startup_compile.py --config=ds4 --layers=43 2>"$OUT/warmstart_$run.log" \
-    | tee "$OUT/warmstart_$run.json"
+  DSPARKJAX_CACHE=/tmp/warmstart_cache python3 scripts/startup_compile.py --config=ds4 --layers=43 \
+    2>"$OUT/warmstart_$run.log" | tee "$OUT/warmstart_$run.json"
 done
 fi

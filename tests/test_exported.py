@@ -198,7 +198,7 @@ def test_decoding_programs_give_the_same_bits_through_the_cache(tmp_path):
         assert_same_bits(steps[0], other)
 
 
-def test_a_second_process_traces_and_compiles_nothing(tmp_path):
+def test_a_second_process_loads_the_exported_step_and_its_executable(tmp_path):
     """scripts/startup_compile.py twice on one cache: the second start loads the exported step and its executable
     (writes nothing); the first wrote both."""
     env = {**os.environ, "DSPARKJAX_CACHE": str(tmp_path / "cache"), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
