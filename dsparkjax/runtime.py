@@ -11,7 +11,8 @@ Two JAX defaults get in the way of a model that fills a GPU:
   on JAX's persistent compilation cache so that the next start of the same model and widths loads them
   instead. The XLA FFI custom calls keep it usable (JAX declines to cache only programs with host
   callbacks); since a cached executable names its custom calls but does not contain them, each build of the
-  plugins gets its own cache directory.
+  plugins gets its own cache directory. That cache is keyed by the lowered module, so the programs' exported
+  modules are kept beside it (`dsparkjax.exported`): a warm start neither traces nor lowers them either.
 
 The scripts call `configure()` first thing; library users call it before their first JAX computation. Either
 way `load_target` checks the weights fit the device (`dsparkjax.footprint`) and says how to make room.
@@ -62,8 +63,9 @@ def enable_compilation_cache(cache_dir: str | None = None) -> str | None:
     The directory is `cache_dir`, else $DSPARKJAX_XLA_CACHE, else `$DSPARKJAX_CACHE/xla` (default
     `~/.cache/dsparkjax/xla`), each under a subdirectory named for the loaded plugins' build
     (`plugin_build_id`). $DSPARKJAX_XLA_CACHE=off turns it off; a cache the user already configured for JAX
-    (JAX_COMPILATION_CACHE_DIR) is kept as it is. Entries are never evicted: delete old subdirectories to
-    reclaim their space.
+    (JAX_COMPILATION_CACHE_DIR) is kept as it is. Its `exported/` subdirectory holds the exported programs
+    (`dsparkjax.exported`), on exactly when this cache is. Entries are never evicted: delete old subdirectories
+    to reclaim their space.
     """
     env = os.environ.get(CACHE_ENV)
     if cache_dir is None and env is not None and env.strip().lower() in ("", "0", "off", "false", "no"):

@@ -34,7 +34,8 @@
 # oracle proposes plain sampling's tokens with a point-mass q, so each is accepted with the target's probability of
 # it: its lossless_matched_per_offered in the JSON says what acceptance its tok/s had) and `scan` (issue 38:
 # unrolled vs scanned layers at DS4's dims, compile seconds, step ms and the cold and warm start to the first token;
-# SCAN_LAYERS picks the layer counts).
+# SCAN_LAYERS picks the layer counts) and `warmstart` (issue 38: tests/test_exported.py on the GPU, then
+# scripts/startup_compile.py twice on one cache, DS4's 43-layer width-1 step: the warm start's trace + lower seconds).
 set -uo pipefail
 SECTIONS="${*:-tests kernels generate}"
 want() { [[ " $SECTIONS " == *" $1 "* ]]; }
@@ -243,5 +244,15 @@ for spec in "IQ2_XXS exp_up24" "Q8_0 attn_a"; do
     > "$OUT/ncu_$1_$2.txt" 2>&1
   grep -E "Duration|DRAM Throughput|Achieved Occupancy|Eligible Warps|Dynamic Shared|Issue Slots Busy|SM Busy|\
 Executed Instructions  |pipe_|wavefronts" "$OUT/ncu_$1_$2.txt"
+done
+fi
+if want warmstart; then  # not in the default set; about four minutes (not measured yet)
+echo "== warm start (issue 38): the exported-program cache's tests, then DS4's width-1 step (43 unrolled layers,"
+echo "   shapes only) started twice on one cache: seconds to trace + lower and to compile, entries written"
+python3 -m pytest -q tests/test_exported.py 2>&1 | tail -3
+rm -rf /tmp/warmstart_cache
+for run in cold warm; do
+  DSPARKJAX_CACHE=/tmp/warmstart_cache python3 scripts/startup_compile.py --config=ds4 --layers=43 \
+    2>"$OUT/warmstart_$run.log" | tee "$OUT/warmstart_$run.json"
 done
 fi

@@ -145,7 +145,7 @@ def prefill_program(cfg: TargetConfig, options: StepOptions) -> AotFunction:
         return loop, rows, logits, first
 
     return AotFunction(program, donate_argnames=("loop",), static_argnames=("sample",),
-                       compiler_options=options.policy.compiler_options)
+                       compiler_options=options.policy.compiler_options, cache_name=f"prefill {cfg!r} {options!r}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -183,7 +183,7 @@ def decode_program(cfg: TargetConfig, options: StepOptions) -> AotFunction:
 
     return AotFunction(program, donate_argnames=("loop",),
                        static_argnames=("width", "ewma_decay", "sample", "lossless"),
-                       compiler_options=options.policy.compiler_options)
+                       compiler_options=options.policy.compiler_options, cache_name=f"decode {cfg!r} {options!r}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -191,4 +191,4 @@ def step_program(cfg: TargetConfig, options: StepOptions) -> AotFunction:
     """The bare target step `step(params, state, tokens) -> (logits, features, state)`, one executable per
     width, with the state donated: the building block the programs above wrap, for tests and benchmarks."""
     return AotFunction(TargetModel(cfg, options).step, donate_argnums=(1,),
-                       compiler_options=options.policy.compiler_options)
+                       compiler_options=options.policy.compiler_options, cache_name=f"step {cfg!r} {options!r}")

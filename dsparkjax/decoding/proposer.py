@@ -62,9 +62,11 @@ def _compiled(cfg: DrafterConfig, simulate_qat: bool, policy: KernelPolicy
               ) -> tuple[AotFunction, AotFunction, AotFunction]:
     model = DrafterModel(cfg, simulate_qat, policy)
     xla = policy.compiler_options
-    return (AotFunction(model.absorb, donate_argnums=(1,), compiler_options=xla),
-            AotFunction(model.propose, compiler_options=xla),
-            AotFunction(model.propose_sampled, static_argnums=(7, 8), compiler_options=xla))
+    name = f"{cfg!r} {simulate_qat!r} {policy!r}"  # what the drafter's programs compute, for the exported cache
+    return (AotFunction(model.absorb, donate_argnums=(1,), compiler_options=xla, cache_name=f"absorb {name}"),
+            AotFunction(model.propose, compiler_options=xla, cache_name=f"propose {name}"),
+            AotFunction(model.propose_sampled, static_argnums=(7, 8), compiler_options=xla,
+                        cache_name=f"propose_sampled {name}"))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -61,6 +61,7 @@ _PLUGINS = {
     "cpu": _PluginSpec("libdspark_cpu_ffi.so", "cpu", "Cpu", {**_OPS, **_CPU_OPS}),
     "gpu": _PluginSpec("libdspark_cuda_ffi.so", "CUDA", "Cuda", _OPS),
 }
+TARGETS = frozenset(target for spec in _PLUGINS.values() for target in spec.ops)  # every custom-call name we register
 
 
 def lib_dirs() -> list[Path]:
