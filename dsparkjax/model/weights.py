@@ -28,6 +28,13 @@ from flax import struct
 from dsparkjax.kernels import policy as kernel_policy
 
 
+def layer_ids(stack: jax.Array, layer: jax.Array, ids: jax.Array, per_layer: int) -> tuple[jax.Array, jax.Array]:
+    """The MoE call's operands for layer `layer` of a stack `[L, ..., cols]` read in place: the stack as
+    `[L·per_layer, n, cols]` (each layer's rows split into its `per_layer` matrices of n rows), and ids int32
+    among that layer's matrices offset to index it."""
+    return stack.reshape(stack.shape[0] * per_layer, -1, stack.shape[-1]), ids + layer.astype(jnp.int32) * per_layer
+
+
 @struct.dataclass
 class PackedWeight:
     """A quantized weight kept packed: uint8 `[out, row_bytes]` or `[E, out, row_bytes]` plus its format.
@@ -64,8 +71,7 @@ class PackedWeight:
         """(data as `[L·per_layer, ...]`, ids offset to this layer's `per_layer` matrices) for the MoE call."""
         if self.layer is None:
             return self.data, ids
-        data = self.data.reshape(-1, *self.data.shape[-2:])
-        return data, ids + self.layer.astype(jnp.int32) * per_layer
+        return layer_ids(self.data, self.layer, ids, per_layer)
 
     def dense(self) -> jax.Array:
         """The packed bytes of this weight alone (a slice of a stack, which XLA fuses into an elementwise user)."""
@@ -100,8 +106,7 @@ class StackedDense:
         them) -> float32 `[T, k, N]`."""
         from dsparkjax.kernels import rowwise
 
-        stack = self.stack.reshape(-1, *self.stack.shape[-2:])
-        return rowwise.matmul_id(x, stack, ids + self.layer.astype(jnp.int32) * per_layer)
+        return rowwise.matmul_id(x, *layer_ids(self.stack, self.layer, ids, per_layer))
 
 
 Weight = Union[jax.Array, PackedWeight, StackedDense]
