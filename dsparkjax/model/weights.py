@@ -26,17 +26,11 @@ import jax.numpy as jnp
 from flax import struct
 
 from dsparkjax.kernels import policy as kernel_policy
-
-
-def layer_ids(stack: jax.Array, layer: jax.Array, ids: jax.Array, per_layer: int) -> tuple[jax.Array, jax.Array]:
-    """The MoE call's operands for layer `layer` of a stack `[L, ..., cols]` read in place: the stack as
-    `[L·per_layer, n, cols]` (each layer's rows split into its `per_layer` matrices of n rows), and ids int32
-    among that layer's matrices offset to index it."""
-    return stack.reshape(stack.shape[0] * per_layer, -1, stack.shape[-1]), ids + layer.astype(jnp.int32) * per_layer
+from dsparkjax.model.stacked import LayerOfStack, layer_ids
 
 
 @struct.dataclass
-class PackedWeight:
+class PackedWeight(LayerOfStack):
     """A quantized weight kept packed: uint8 `[out, row_bytes]` or `[E, out, row_bytes]` plus its format.
 
     In a scanned step (`model/target.py`) `data` may be a whole layer stack `[L, ...]` with `layer` the traced
@@ -67,11 +61,13 @@ class PackedWeight:
             return self.replace(layer=layer)
         return self.replace(data=self.data[layer])
 
-    def stacked_ids(self, ids: jax.Array, per_layer: int) -> tuple[jax.Array, jax.Array]:
-        """(data as `[L·per_layer, ...]`, ids offset to this layer's `per_layer` matrices) for the MoE call."""
-        if self.layer is None:
-            return self.data, ids
-        return layer_ids(self.data, self.layer, ids, per_layer)
+    def matmul_id(self, x: jax.Array, ids: jax.Array, per_layer: int) -> jax.Array:
+        """The MoE call `y[t, j] = x[t]·w[ids[t, j]]ᵀ` on the packed kernels: x `[T, K]`, ids int32 `[T, k]` among the
+        `per_layer` matrices of this weight (of its layer, for a stack) -> float32 `[T, k, N]`."""
+        from dsparkjax import kernels
+
+        data, ids = (self.data, ids) if self.layer is None else layer_ids(self.data, self.layer, ids, per_layer)
+        return kernels.qmatmul_id(x.astype(self.dtype), data, ids, self.ggml_type, backend=self.backend)
 
     def dense(self) -> jax.Array:
         """The packed bytes of this weight alone (a slice of a stack, which XLA fuses into an elementwise user)."""
@@ -79,7 +75,7 @@ class PackedWeight:
 
 
 @struct.dataclass
-class StackedDense:
+class StackedDense(LayerOfStack):
     """Layer `layer` of a dense matrix stack `[L, ..., out, in]`, in a scanned step under an invariant policy.
 
     The row-invariant products read dense matrices as their bytes on the FFI kernels (`kernels/rowwise.py`); a
@@ -155,11 +151,7 @@ def _packed_linear(x: jax.Array, w: PackedWeight) -> jax.Array:
     from dsparkjax import kernels
 
     flat = x.reshape(-1, x.shape[-1]).astype(w.dtype)
-    if w.layer is not None:  # the MoE call with every row choosing this layer's matrix
-        data, ids = w.stacked_ids(jnp.zeros((flat.shape[0], 1), jnp.int32), 1)
-        y = kernels.qmatmul_id(flat, data, ids, w.ggml_type, backend=w.backend)[:, 0]
-    else:
-        y = kernels.qmatmul(flat, w.data, w.ggml_type, backend=w.backend, mma=kernel_policy.active().mma)
+    y = kernels.qmatmul(flat, w.data, w.ggml_type, backend=w.backend, mma=kernel_policy.active().mma)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -168,13 +160,6 @@ def _packed_grouped_linear(x: jax.Array, w: PackedWeight, groups: int) -> jax.Ar
     from dsparkjax import kernels
 
     flat = x.reshape(-1, groups, x.shape[-1]).astype(w.dtype)
-    if w.layer is not None:  # the MoE call with row (t, g) choosing this layer's group g
-        data = w.data.reshape(w.data.shape[0], groups, -1, w.data.shape[-1])
-        t = flat.shape[0]
-        ids = jnp.tile(jnp.arange(groups, dtype=jnp.int32), t).reshape(t * groups, 1)
-        data, ids = w.replace(data=data).stacked_ids(ids, groups)
-        y = kernels.qmatmul_id(flat.reshape(t * groups, -1), data, ids, w.ggml_type, backend=w.backend)
-        return y.reshape(*x.shape[:-1], -1)
     stack = w.data.reshape(groups, -1, w.data.shape[-1])
     y = kernels.qmatmul_grouped(flat, stack, w.ggml_type, backend=w.backend,
                                 mma=kernel_policy.active().mma)
@@ -192,18 +177,14 @@ def linear(x: jax.Array, w: Weight, *, groups: int | None = None) -> jax.Array:
     """
     if isinstance(w, PackedWeight):
         if not takes_dense_copy(w, x.size // (x.shape[-1] * (groups or 1))):
+            if w.layer is not None:
+                return w.layer_linear(x, groups)
             return _packed_linear(x, w) if groups is None else _packed_grouped_linear(x, w, groups)
         w = dense_copy(w)
     if isinstance(w, StackedDense):
         if not kernel_policy.active().invariant:
             return linear(x, w.value(), groups=groups)
-        flat = x.reshape(-1, x.shape[-1]).astype(w.dtype)
-        if groups is None:
-            y = w.matmul_id(flat, jnp.zeros((flat.shape[0], 1), jnp.int32), 1)[:, 0]
-            return y.reshape(*x.shape[:-1], -1)
-        stack = w.stack.reshape(w.stack.shape[0], groups, -1, w.stack.shape[-1])
-        ids = jnp.tile(jnp.arange(groups, dtype=jnp.int32), flat.shape[0] // groups)[:, None]
-        return w.replace(stack=stack).matmul_id(flat, ids, groups).reshape(*x.shape[:-1], -1)
+        return w.layer_linear(x, groups)
     if kernel_policy.active().invariant:
         return _invariant_linear(x, w, groups)
     x = x.astype(w.dtype)
@@ -240,29 +221,16 @@ def expert_linear(x: jax.Array, w: Weight, ids: jax.Array) -> jax.Array:
       float32 `[..., k, out]`.
     """
     per_expert = x.ndim > ids.ndim
-    if isinstance(w, StackedDense):
-        if not kernel_policy.active().invariant:
-            return expert_linear(x, w.value(), ids)
-        k = ids.shape[-1]
-        flat_ids = ids.reshape(-1, 1) if per_expert else ids.reshape(-1, k)
-        y = w.matmul_id(x.reshape(-1, x.shape[-1]).astype(w.dtype), flat_ids, w.shape[0])
-        return y.reshape(*ids.shape, y.shape[-1])
-    if isinstance(w, PackedWeight):
-        from dsparkjax import kernels
-
-        k = ids.shape[-1]
-        if per_expert:  # every (token, expert) pair is its own row with one id
-            flat, flat_ids = x.reshape(-1, x.shape[-1]), ids.reshape(-1, 1)
-        else:
-            flat, flat_ids = x.reshape(-1, x.shape[-1]), ids.reshape(-1, k)
-        data, flat_ids = w.stacked_ids(flat_ids, w.shape[0])
-        y = kernels.qmatmul_id(flat.astype(w.dtype), data, flat_ids, w.ggml_type, backend=w.backend)
+    if isinstance(w, StackedDense) and not kernel_policy.active().invariant:
+        w = w.value()
+    if isinstance(w, (PackedWeight, StackedDense)):
+        flat_ids = ids.reshape(-1, 1) if per_expert else ids.reshape(-1, ids.shape[-1])  # per expert: one id a row
+        y = w.matmul_id(x.reshape(-1, x.shape[-1]), flat_ids, w.shape[0])
         return y.reshape(*ids.shape, y.shape[-1])
     if kernel_policy.active().invariant:
         from dsparkjax.kernels import rowwise
 
-        k = ids.shape[-1]
-        flat_ids = ids.reshape(-1, 1) if per_expert else ids.reshape(-1, k)
+        flat_ids = ids.reshape(-1, 1) if per_expert else ids.reshape(-1, ids.shape[-1])
         y = rowwise.matmul_id(x.reshape(-1, x.shape[-1]), w, flat_ids)
         return y.reshape(*ids.shape, y.shape[-1])
     x = x.astype(w.dtype)
