@@ -70,9 +70,7 @@ def contract(x: jax.Array, w) -> jax.Array:
     if isinstance(w, StackedDense):
         if not invariant() or w.dtype != jnp.float32:
             return contract(x, w.value())
-        flat = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
-        y = w.matmul_id(flat, jnp.zeros((flat.shape[0], 1), jnp.int32), 1)[:, 0]
-        return y.reshape(*x.shape[:-1], -1)
+        return w.layer_linear(x.astype(jnp.float32))
     if not invariant():
         return jnp.einsum("...k,nk->...n", x.astype(jnp.float32), w.astype(jnp.float32),
                           precision=jax.lax.Precision.HIGHEST)
