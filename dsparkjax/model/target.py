@@ -277,4 +277,4 @@ class TargetModel:
             for r in range(seg.count):
                 if seg.start + r * seg.period + j in layers:
                     captured[seg.start + r * seg.period + j] = per_rep[r]
-        return streams, CacheStack(stacks)
+        return streams, caches.replace(layers=stacks)
