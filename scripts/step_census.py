@@ -82,7 +82,7 @@ def entry_launches(hlo_text: str) -> list[Launch]:
 
 
 # Frames that only route a model op to its custom call: the census names the model line above them.
-_ROUTING = ("reduce.py", "weights.py", "rowwise.py", "ffi.py", "policy.py", "kernels/__init__.py")
+_ROUTING = ("reduce.py", "weights.py", "stacked.py", "rowwise.py", "ffi.py", "policy.py", "kernels/__init__.py")
 
 
 def _model_caller() -> str:

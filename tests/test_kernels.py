@@ -684,7 +684,7 @@ def test_hc_pre_rejects_a_missized_workspace(cpu_device):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("k", [64, 200, 4096])
 def test_rms_norm_matches_jnp_and_keeps_each_rows_bits(device, dtype, k):
-    """The FFI RMSNorm equals the jnp formula (layers.rms_norm's fast route) to rounding, and every row of a call
+    """The FFI RMSNorm equals the jnp formula (reduce.rms_norm's fast route) to rounding, and every row of a call
     of T rows has the bits it has alone or among other rows."""
     from dsparkjax.kernels import ffi
 

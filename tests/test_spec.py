@@ -34,7 +34,7 @@ from model_helpers import (
 from dsparkjax.decoding.generate import generate
 from dsparkjax.errors import DsparkError, TokenIdError
 from dsparkjax.model.drafter import DrafterModel
-from dsparkjax.model.layers import rms_norm
+from dsparkjax.model.reduce import rms_norm
 from dsparkjax.decoding.width import WidthPolicy, accepted_candidates, ewma_update
 from dsparkjax.testing.oracle import oracle_for
 

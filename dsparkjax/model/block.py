@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from dsparkjax.model import reduce
 from dsparkjax.model.hc import hc_post, hc_pre
-from dsparkjax.model.layers import apply_rope, fp8_kv_sim, grouped_output, rms_norm, sink_attention, swiglu
+from dsparkjax.model.layers import apply_rope, fp8_kv_sim, grouped_output, sink_attention, swiglu
 from dsparkjax.model.params import Attention, Block, HyperConnection, MoE
 from dsparkjax.model.weights import expert_linear, expert_linear_rows, linear, linear_rows
 
@@ -35,9 +35,9 @@ def query_heads(at: Attention, x: jax.Array, positions: jax.Array, freqs: Any, c
     """
     b, q = positions.shape
     q_low, kv = linear_rows(x, at.wq_a_kv)
-    qr = rms_norm(q_low, at.q_norm, cfg.rms_norm_eps)
+    qr = reduce.rms_norm(q_low, at.q_norm, cfg.rms_norm_eps)
     heads = linear(qr, at.wq_b).reshape(b, q, cfg.num_heads, cfg.head_dim)
-    heads = apply_rope(rms_norm(heads, None, cfg.rms_norm_eps), positions[..., None], freqs)
+    heads = apply_rope(reduce.rms_norm(heads, None, cfg.rms_norm_eps), positions[..., None], freqs)
     return qr, heads, _kv_finish(at, kv, positions, freqs, cfg, simulate_qat)
 
 
@@ -58,7 +58,7 @@ def kv_rows(at: Attention, x: jax.Array, positions: jax.Array, freqs: Any, cfg: 
 
 def _kv_finish(at: Attention, kv: jax.Array, positions: jax.Array, freqs: Any, cfg: Any, simulate_qat: bool
                ) -> jax.Array:
-    kv = apply_rope(rms_norm(kv, at.kv_norm, cfg.rms_norm_eps), positions, freqs)
+    kv = apply_rope(reduce.rms_norm(kv, at.kv_norm, cfg.rms_norm_eps), positions, freqs)
     return kv_sim(kv, cfg.nope_dim, simulate_qat)
 
 
@@ -83,10 +83,10 @@ def block_forward(blk: Block, streams: jax.Array, cfg: Any,
     """
     pre, post_fn = _hc_ops(hc_kernel, cfg)
     u, post, comb = pre(streams, blk.hc_attn)
-    attn_out, aux = attention(rms_norm(u, blk.attn.norm, cfg.rms_norm_eps))
+    attn_out, aux = attention(reduce.rms_norm(u, blk.attn.norm, cfg.rms_norm_eps))
     streams = post_fn(attn_out, streams, post, comb)
     u, post, comb = pre(streams, blk.hc_ffn)
-    ffn_out = ffn(rms_norm(u, blk.moe.norm, cfg.rms_norm_eps))
+    ffn_out = ffn(reduce.rms_norm(u, blk.moe.norm, cfg.rms_norm_eps))
     return post_fn(ffn_out, streams, post, comb), aux
 
 

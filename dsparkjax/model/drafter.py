@@ -29,7 +29,7 @@ from dsparkjax.kernels.policy import KernelPolicy, routed
 from dsparkjax.model import reduce, ring
 from dsparkjax.model.block import attend, attention_output, block_forward, kv_rows, moe_output, query_heads
 from dsparkjax.model.hc import hc_head
-from dsparkjax.model.layers import rms_norm, rope_frequencies, route
+from dsparkjax.model.layers import rope_frequencies, route
 from dsparkjax.model.params import Block, DrafterParams
 from dsparkjax.model.weights import linear
 
@@ -72,7 +72,8 @@ class DrafterModel:
         if c > state.max_step:
             raise CapacityError(f"the drafter absorbed a step of {c} rows, wider than its context state's "
                                 f"max_step {state.max_step}: build it with max_step >= {c}")
-        main_x = rms_norm(linear(features.reshape(b, c, -1), params.fc), params.hidden_norm, self.cfg.rms_norm_eps)
+        main_x = reduce.rms_norm(linear(features.reshape(b, c, -1), params.fc), params.hidden_norm,
+                                 self.cfg.rms_norm_eps)
         kv = tuple(ring.write(rows, kv_rows(stage.attn, main_x, positions, self.freqs, self.cfg, self.simulate_qat),
                               positions)
                    for stage, rows in zip(params.stages, state.context_kv))
@@ -142,7 +143,7 @@ class DrafterModel:
     def block_logits(self, params: DrafterParams, hidden: jax.Array, head: jax.Array) -> jax.Array:
         """The base logits of the block rows before the Markov bias: the drafter's norm, then the target's
         LM head. hidden float32 `[..., D]` -> float32 `[..., V]`."""
-        return linear(rms_norm(hidden, params.norm, self.cfg.rms_norm_eps), head)
+        return linear(reduce.rms_norm(hidden, params.norm, self.cfg.rms_norm_eps), head)
 
     @staticmethod
     def markov_bias(params: DrafterParams, prev: jax.Array) -> tuple[jax.Array, jax.Array]:

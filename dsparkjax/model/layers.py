@@ -3,7 +3,7 @@
 Readable math over arrays; shapes in the docstrings use B = batch, Q = rows of the step (tokens per
 sequence), D = hidden size, H = heads, d = head dim. Norms, softmax statistics, routing and the HC mixes
 are float32 whatever the compute dtype (`ds4_arch.md` §6.1); matmuls take the compute dtype and accumulate
-in float32.
+in float32. RMSNorm, sums and float32 contractions are `model/reduce.py`'s (which picks their invariant route).
 """
 
 from __future__ import annotations
@@ -16,17 +16,6 @@ import numpy as np
 
 from dsparkjax.model import reduce
 from dsparkjax.model.weights import Weight, linear
-
-
-def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Array:
-    """`w ⊙ x·(mean(x²)+eps)^(-1/2)` over the last axis, in float32 (weight None = unweighted)."""
-    if reduce.invariant():  # one row-invariant launch instead of a sum call between two fusions
-        from dsparkjax.kernels import rowwise
-
-        return rowwise.rms_norm(x, weight, eps)
-    x = x.astype(jnp.float32)
-    y = x * jax.lax.rsqrt(reduce.mean(jnp.square(x), axis=-1, keepdims=True) + eps)
-    return y if weight is None else y * weight.astype(jnp.float32)
 
 
 # ---------------------------------------------------------------------------------------------------------

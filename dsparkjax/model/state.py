@@ -40,6 +40,7 @@ class CacheStack:
     repetition, each buffer stacked along a leading axis (repetition r at index r, then the batch)."""
 
     layers: tuple[LayerCache, ...]
+    count: int = struct.field(pytree_node=False)  # the segment's repetitions (the stacks' leading size)
 
 
 @struct.dataclass
@@ -93,7 +94,7 @@ def init_state(cfg: TargetConfig, batch: int, max_len: int, max_step: int, dtype
                 index_keys = jnp.zeros((*lead, batch, -(-max_len // CSA_RATIO), di), jnp.float32)
         return LayerCache(window, comp_proj, comp_kv, index_proj, index_keys)
 
-    layers = tuple(CacheStack(tuple(cache(seg.start + j, (seg.count,)) for j in range(seg.period)))
+    layers = tuple(CacheStack(tuple(cache(seg.start + j, (seg.count,)) for j in range(seg.period)), seg.count)
                    if seg.scanned else cache(seg.start, ())
                    for seg in (plan or unrolled_plan(cfg)))
     return DecodeState(jnp.zeros((batch,), jnp.int32), layers, max_len, max_step)
@@ -104,8 +105,7 @@ def per_layer(state: DecodeState) -> tuple[LayerCache, ...]:
     out = []
     for entry in state.layers:
         if isinstance(entry, CacheStack):
-            count = jax.tree.leaves(entry)[0].shape[0]
-            out += [jax.tree.map(lambda c: c[r], entry.layers[j]) for r in range(count)
+            out += [jax.tree.map(lambda c: c[r], entry.layers[j]) for r in range(entry.count)
                     for j in range(len(entry.layers))]
         else:
             out.append(entry)

@@ -26,13 +26,14 @@ from dsparkjax.model.block import (
     query_heads,
 )
 from dsparkjax.model.hc import hc_head
-from dsparkjax.model.layers import apply_rope, fp4_indexer_sim, rms_norm, rope_frequencies, route
+from dsparkjax.model.layers import apply_rope, fp4_indexer_sim, rope_frequencies, route
 from dsparkjax.errors import DsparkError
 from dsparkjax.model.layer_plan import Segment
 from dsparkjax.model.params import Attention, Block, Compressor, Indexer, LayerStack, MoE, TargetParams, plan_of
 from dsparkjax.model import reduce, ring
 from dsparkjax.model.state import CacheStack, DecodeState, LayerCache
-from dsparkjax.model.weights import PackedWeight, RowBlocks, StackedDense, linear
+from dsparkjax.model.reduce import StackedDense
+from dsparkjax.model.weights import PackedWeight, RowBlocks, linear
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +106,7 @@ def compress(cp: Compressor, x: jax.Array, positions: jax.Array, ring_rows: jax.
     pooled = reduce.total(reduce.softmax(scores, axis=2) * values, axis=2)
     boundary = (positions + 1) % ratio == 0
     index = jnp.where(boundary, (positions + 1) // ratio - 1, -1)
-    return ring_rows, rms_norm(pooled, cp.norm, eps), index
+    return ring_rows, reduce.rms_norm(pooled, cp.norm, eps), index
 
 
 def store_entries(cache: jax.Array, entries: jax.Array, index: jax.Array) -> jax.Array:
@@ -232,7 +233,7 @@ class TargetModel:
             caches.append(cache)
         collapsed = hc_head(streams, params.hc_head.fn, params.hc_head.base, params.hc_head.scale,
                             hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
-        logits = linear(rms_norm(collapsed, params.norm, cfg.rms_norm_eps), params.head)
+        logits = linear(reduce.rms_norm(collapsed, params.norm, cfg.rms_norm_eps), params.head)
         features = (jnp.stack([captured[i] for i in opts.capture_layers], axis=2) if captured
                     else jnp.zeros(tokens.shape + (0, cfg.hidden_size), jnp.float32))
         return logits, features, state.replace(layers=tuple(caches))
@@ -277,4 +278,4 @@ class TargetModel:
             for r in range(seg.count):
                 if seg.start + r * seg.period + j in layers:
                     captured[seg.start + r * seg.period + j] = per_rep[r]
-        return streams, CacheStack(stacks)
+        return streams, caches.replace(layers=stacks)

@@ -13,8 +13,9 @@ XLA's GEMM, which reads the weight a few times per call (the dequantization, the
 tile of tokens. Expert stacks keep the kernel, which serves each expert only
 the tokens that chose it. The row thresholds and the GPU's tensor-core mode come from the KernelPolicy the
 step traces under (`dsparkjax.kernels.policy`, part of its jit key). The row count is a static shape, so a
-program takes one route for all its steps. Under an invariant policy (exact decoding) there is no dense copy,
-and dense weights multiply on the packed kernels too, as their own bytes (`kernels/rowwise.py`).
+program takes one route for all its steps. Under an invariant policy (exact decoding) there is no dense copy.
+Dense weights (and dense copies) are multiplied by `model/reduce.py`, which picks XLA's dots or, under an
+invariant policy, the packed kernels with the matrices as their own bytes (`kernels/rowwise.py`).
 """
 
 from __future__ import annotations
@@ -25,11 +26,15 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from dsparkjax import kernels
 from dsparkjax.kernels import policy as kernel_policy
+from dsparkjax.model import reduce
+from dsparkjax.model.reduce import StackedDense
+from dsparkjax.model.stacked import MoeWeight, layer_ids
 
 
 @struct.dataclass
-class PackedWeight:
+class PackedWeight(MoeWeight):
     """A quantized weight kept packed: uint8 `[out, row_bytes]` or `[E, out, row_bytes]` plus its format.
 
     In a scanned step (`model/target.py`) `data` may be a whole layer stack `[L, ...]` with `layer` the traced
@@ -60,48 +65,15 @@ class PackedWeight:
             return self.replace(layer=layer)
         return self.replace(data=self.data[layer])
 
-    def stacked_ids(self, ids: jax.Array, per_layer: int) -> tuple[jax.Array, jax.Array]:
-        """(data as `[L·per_layer, ...]`, ids offset to this layer's `per_layer` matrices) for the MoE call."""
-        if self.layer is None:
-            return self.data, ids
-        data = self.data.reshape(-1, *self.data.shape[-2:])
-        return data, ids + self.layer.astype(jnp.int32) * per_layer
+    def matmul_id(self, x: jax.Array, ids: jax.Array, per_layer: int) -> jax.Array:
+        """The MoE call `y[t, j] = x[t]·w[ids[t, j]]ᵀ` on the packed kernels: x `[T, K]`, ids int32 `[T, k]` among
+        the `per_layer` matrices of this weight (of its layer, for a stack) -> float32 `[T, k, N]`."""
+        data, ids = (self.data, ids) if self.layer is None else layer_ids(self.data, self.layer, ids, per_layer)
+        return kernels.qmatmul_id(x.astype(self.dtype), data, ids, self.ggml_type, backend=self.backend)
 
     def dense(self) -> jax.Array:
         """The packed bytes of this weight alone (a slice of a stack, which XLA fuses into an elementwise user)."""
         return self.data if self.layer is None else self.data[self.layer]
-
-
-@struct.dataclass
-class StackedDense:
-    """Layer `layer` of a dense matrix stack `[L, ..., out, in]`, in a scanned step under an invariant policy.
-
-    The row-invariant products read dense matrices as their bytes on the FFI kernels (`kernels/rowwise.py`); a
-    sliced stack would be copied for that custom call every step, so the MoE call reads the whole stack with
-    the layer index folded into its ids instead. Anything else takes `value()`, the slice.
-    """
-
-    stack: jax.Array
-    layer: jax.Array  # int32 []
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.stack.shape[1:]
-
-    @property
-    def dtype(self) -> jnp.dtype:
-        return self.stack.dtype
-
-    def value(self) -> jax.Array:
-        return self.stack[self.layer]
-
-    def matmul_id(self, x: jax.Array, ids: jax.Array, per_layer: int) -> jax.Array:
-        """`rowwise.matmul_id` of x `[T, K]` against this layer's `per_layer` matrices (ids int32 `[T, k]` among
-        them) -> float32 `[T, k, N]`."""
-        from dsparkjax.kernels import rowwise
-
-        stack = self.stack.reshape(-1, *self.stack.shape[-2:])
-        return rowwise.matmul_id(x, stack, ids + self.layer.astype(jnp.int32) * per_layer)
 
 
 Weight = Union[jax.Array, PackedWeight, StackedDense]
@@ -122,54 +94,30 @@ class RowBlocks:
     parts: tuple[Weight, ...]
     sizes: tuple[tuple[int, ...], ...] = struct.field(pytree_node=False)
 
-# expert_linear's dense route multiplies every expert when E <= this · k (no per-row weight gather).
-ALL_EXPERTS_MAX_RATIO = 4
-
 
 def takes_dense_copy(w: PackedWeight, rows: int) -> bool:
     """Whether a call of `rows` rows multiplies w through its dense copy, by the active KernelPolicy's thresholds."""
     policy = kernel_policy.active()
-    if w.backend != "ffi" or policy.gemm_min_rows <= 0 or policy.invariant:
+    if w.backend != "ffi" or policy.gemm_min_rows <= 0 or reduce.invariant():
         return False
     return rows >= policy.gemm_min_rows or (
         rows >= policy.gemm_min_rows_large and w.nbytes >= policy.large_weight_bytes)
 
 
-def _precision(w: jax.Array) -> jax.lax.Precision:
-    return jax.lax.Precision.HIGHEST if w.dtype == jnp.float32 else jax.lax.Precision.DEFAULT
-
-
 def dense_copy(w: PackedWeight) -> jax.Array:
     """w dequantized in the graph, in its activation dtype: `[..., out, in]`."""
-    from dsparkjax import kernels
-
     return kernels.dequantize(w.dense(), w.ggml_type, w.in_features).astype(w.dtype)
 
 
 def _packed_linear(x: jax.Array, w: PackedWeight) -> jax.Array:
-    from dsparkjax import kernels
-
     flat = x.reshape(-1, x.shape[-1]).astype(w.dtype)
-    if w.layer is not None:  # the MoE call with every row choosing this layer's matrix
-        data, ids = w.stacked_ids(jnp.zeros((flat.shape[0], 1), jnp.int32), 1)
-        y = kernels.qmatmul_id(flat, data, ids, w.ggml_type, backend=w.backend)[:, 0]
-    else:
-        y = kernels.qmatmul(flat, w.data, w.ggml_type, backend=w.backend, mma=kernel_policy.active().mma)
+    y = kernels.qmatmul(flat, w.data, w.ggml_type, backend=w.backend, mma=kernel_policy.active().mma)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def _packed_grouped_linear(x: jax.Array, w: PackedWeight, groups: int) -> jax.Array:
     """x `[..., g, in/g]` against the g row blocks of w, in one kernel call."""
-    from dsparkjax import kernels
-
     flat = x.reshape(-1, groups, x.shape[-1]).astype(w.dtype)
-    if w.layer is not None:  # the MoE call with row (t, g) choosing this layer's group g
-        data = w.data.reshape(w.data.shape[0], groups, -1, w.data.shape[-1])
-        t = flat.shape[0]
-        ids = jnp.tile(jnp.arange(groups, dtype=jnp.int32), t).reshape(t * groups, 1)
-        data, ids = w.replace(data=data).stacked_ids(ids, groups)
-        y = kernels.qmatmul_id(flat.reshape(t * groups, -1), data, ids, w.ggml_type, backend=w.backend)
-        return y.reshape(*x.shape[:-1], -1)
     stack = w.data.reshape(groups, -1, w.data.shape[-1])
     y = kernels.qmatmul_grouped(flat, stack, w.ggml_type, backend=w.backend,
                                 mma=kernel_policy.active().mma)
@@ -187,46 +135,16 @@ def linear(x: jax.Array, w: Weight, *, groups: int | None = None) -> jax.Array:
     """
     if isinstance(w, PackedWeight):
         if not takes_dense_copy(w, x.size // (x.shape[-1] * (groups or 1))):
+            if w.layer is not None:
+                return w.layer_linear(x, groups)
             return _packed_linear(x, w) if groups is None else _packed_grouped_linear(x, w, groups)
         w = dense_copy(w)
-    if isinstance(w, StackedDense):
-        if not kernel_policy.active().invariant:
-            return linear(x, w.value(), groups=groups)
-        flat = x.reshape(-1, x.shape[-1]).astype(w.dtype)
-        if groups is None:
-            y = w.matmul_id(flat, jnp.zeros((flat.shape[0], 1), jnp.int32), 1)[:, 0]
-            return y.reshape(*x.shape[:-1], -1)
-        stack = w.stack.reshape(w.stack.shape[0], groups, -1, w.stack.shape[-1])
-        ids = jnp.tile(jnp.arange(groups, dtype=jnp.int32), flat.shape[0] // groups)[:, None]
-        return w.replace(stack=stack).matmul_id(flat, ids, groups).reshape(*x.shape[:-1], -1)
-    if kernel_policy.active().invariant:
-        return _invariant_linear(x, w, groups)
-    x = x.astype(w.dtype)
-    if groups is None:
-        return jnp.einsum("...k,nk->...n", x, w, precision=_precision(w), preferred_element_type=jnp.float32)
-    w = w.reshape(groups, -1, w.shape[-1])
-    return jnp.einsum("...gk,grk->...gr", x, w, precision=_precision(w), preferred_element_type=jnp.float32)
-
-
-def _invariant_linear(x: jax.Array, w: jax.Array, groups: int | None) -> jax.Array:
-    """`linear` of a dense w on the row-invariant custom calls (its bytes as packed F32/BF16/F16 rows)."""
-    from dsparkjax.kernels import rowwise
-
-    mma = kernel_policy.active().mma_code
-    if groups is None:
-        return rowwise.matmul(x, w, mma)
-    lead = x.shape[:-2]
-    ids = jnp.tile(jnp.arange(groups, dtype=jnp.int32), x.size // (x.shape[-1] * groups))[:, None]
-    y = rowwise.matmul_id(x.reshape(-1, x.shape[-1]), w.reshape(groups, -1, w.shape[-1]), ids, groups)
-    return y.reshape(*lead, groups, -1)
+    return reduce.dense_linear(x, w, groups)
 
 
 def expert_linear(x: jax.Array, w: Weight, ids: jax.Array) -> jax.Array:
-    """Each token against its own selected experts: `y[..., j, :] = x·w[ids[..., j]]ᵀ`.
-
-    Dense stacks of at most ALL_EXPERTS_MAX_RATIO·k experts multiply every expert and keep the selected
-    outputs (at most that many times the work, but no gathered weight copy per row, whose gradient is a
-    scatter the size of every row's weights); larger stacks gather the selected experts' weights.
+    """Each token against its own selected experts: `y[..., j, :] = x·w[ids[..., j]]ᵀ` (packed stacks on the MoE
+    kernel, dense ones by `reduce.dense_expert_linear`).
 
     Args:
       x: `[..., in]` (one input per token) or `[..., k, in]` (one input per selected expert);
@@ -234,42 +152,9 @@ def expert_linear(x: jax.Array, w: Weight, ids: jax.Array) -> jax.Array:
     Returns:
       float32 `[..., k, out]`.
     """
-    per_expert = x.ndim > ids.ndim
-    if isinstance(w, StackedDense):
-        if not kernel_policy.active().invariant:
-            return expert_linear(x, w.value(), ids)
-        k = ids.shape[-1]
-        flat_ids = ids.reshape(-1, 1) if per_expert else ids.reshape(-1, k)
-        y = w.matmul_id(x.reshape(-1, x.shape[-1]).astype(w.dtype), flat_ids, w.shape[0])
-        return y.reshape(*ids.shape, y.shape[-1])
     if isinstance(w, PackedWeight):
-        from dsparkjax import kernels
-
-        k = ids.shape[-1]
-        if per_expert:  # every (token, expert) pair is its own row with one id
-            flat, flat_ids = x.reshape(-1, x.shape[-1]), ids.reshape(-1, 1)
-        else:
-            flat, flat_ids = x.reshape(-1, x.shape[-1]), ids.reshape(-1, k)
-        data, flat_ids = w.stacked_ids(flat_ids, w.shape[0])
-        y = kernels.qmatmul_id(flat.astype(w.dtype), data, flat_ids, w.ggml_type, backend=w.backend)
-        return y.reshape(*ids.shape, y.shape[-1])
-    if kernel_policy.active().invariant:
-        from dsparkjax.kernels import rowwise
-
-        k = ids.shape[-1]
-        flat_ids = ids.reshape(-1, 1) if per_expert else ids.reshape(-1, k)
-        y = rowwise.matmul_id(x.reshape(-1, x.shape[-1]), w, flat_ids)
-        return y.reshape(*ids.shape, y.shape[-1])
-    x = x.astype(w.dtype)
-    if w.shape[0] <= ALL_EXPERTS_MAX_RATIO * ids.shape[-1]:  # few experts: no per-row weight copies (training)
-        spec = "...jk,enk->...jen" if per_expert else "...k,enk->...en"
-        every = jnp.einsum(spec, x, w, precision=_precision(w), preferred_element_type=jnp.float32)
-        if per_expert:
-            return jnp.take_along_axis(every, ids[..., None, None], axis=-2)[..., 0, :]
-        return jnp.take_along_axis(every, ids[..., None], axis=-2)
-    picked = jnp.take(w, ids, axis=0)  # [..., k, out, in]
-    spec = "...jk,...jnk->...jn" if per_expert else "...k,...jnk->...jn"
-    return jnp.einsum(spec, x, picked, precision=_precision(w), preferred_element_type=jnp.float32)
+        return w.expert_linear(x, ids)
+    return reduce.dense_expert_linear(x, w, ids)
 
 
 def _split_rows(rb: RowBlocks, multiply: Callable[[Weight], jax.Array], only: tuple[int, ...] | None
