@@ -24,7 +24,7 @@ from absl import app, flags, logging
 
 from dsparkjax.decoding.generate import generate
 from dsparkjax.decoding.width import LUCEBOX_THRESHOLDS, WidthPolicy
-from dsparkjax.embedded import load_pair
+from dsparkjax.pair import load_pair
 from dsparkjax.training.corpus import held_out_prompts
 
 _TARGET = flags.DEFINE_string("target", None, "Target GGUF (default: the embedded target).")

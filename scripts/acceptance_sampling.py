@@ -32,7 +32,7 @@ from dsparkjax.decoding.generate import generate
 from dsparkjax.decoding.proposer import Proposer
 from dsparkjax.decoding.sampling import RowSampling, SamplingParams
 from dsparkjax.decoding.width import WidthPolicy
-from dsparkjax.embedded import load_pair
+from dsparkjax.pair import load_pair
 from dsparkjax.training import calibration as fit
 from dsparkjax.training.corpus import held_out_prompts
 

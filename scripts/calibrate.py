@@ -20,7 +20,7 @@ import json
 import numpy as np
 from absl import app, flags, logging
 
-from dsparkjax.embedded import load_pair
+from dsparkjax.pair import load_pair
 from dsparkjax.training import calibration
 from dsparkjax.training.corpus import held_out_prompts
 
