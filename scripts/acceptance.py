@@ -18,24 +18,14 @@ and whether the output is identical to plain decoding.
 
 from __future__ import annotations
 
-import json
+from absl import flags, logging
 
-from absl import app, flags, logging
-
+from dsparkjax.cli_inputs import HeldOutFlags, print_json, run_main
 from dsparkjax.decoding.generate import generate
 from dsparkjax.decoding.width import LUCEBOX_THRESHOLDS, WidthPolicy
-from dsparkjax.embedded import load_pair
-from dsparkjax.training.corpus import held_out_prompts
 
-_TARGET = flags.DEFINE_string("target", None, "Target GGUF (default: the embedded target).")
-_DRAFT = flags.DEFINE_string("draft", None, "Drafter GGUF (default: the embedded drafter).")
-_PROMPTS = flags.DEFINE_integer("prompts", 16, "Held-out prompts.")
-_PROMPT_LEN = flags.DEFINE_integer("prompt_len", 32, "Tokens per prompt.")
+_HELD_OUT = HeldOutFlags.define()
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "Tokens generated per prompt.")
-_SEED = flags.DEFINE_integer("seed", 7, "Seed of the prompt positions.")
-_PROMPT_DIR = flags.DEFINE_string(
-    "prompt_dir", None, "Draw the prompts from every .py file under this directory instead of this Python's held-out "
-    "split (which is held out only for a pair trained on this Python).")
 _WIDTHS = flags.DEFINE_list("widths", ["2", "6"], "Fixed verify widths q in 1..6 to measure as well.")
 _JSON = flags.DEFINE_string("json_out", None, "Also write the results here.")
 _GOAL_RATE, _GOAL_STEPS = 0.6, 1.5  # issue 39: matched/offered and the step reduction, with the defaults
@@ -44,16 +34,13 @@ _GOAL_RATE, _GOAL_STEPS = 0.6, 1.5  # issue 39: matched/offered and the step red
 def main(argv: list[str]) -> None:
     del argv
     logging.set_verbosity(logging.WARNING)
-    target, drafter, target_path, draft_path = load_pair(_TARGET.value, _DRAFT.value, need_drafter=True)
-    prompts = held_out_prompts(target.tokenizer, _PROMPTS.value, _PROMPT_LEN.value, _SEED.value,
-                               _PROMPT_DIR.value)
+    pair, prompts = _HELD_OUT.load()
+    target, drafter = pair.target, pair.drafter
     stop = ()  # no stop token: every run makes max_new_tokens tokens
     plain = generate(target, prompts, drafter=drafter, mode="ar", max_new_tokens=_MAX_NEW.value, stop_tokens=stop)
     plain_steps = sum(r.steps for r in plain)
     fitted = drafter.width_thresholds
-    report = dict(target=target_path, draft=draft_path, prompts=len(prompts), prompt_dir=_PROMPT_DIR.value,
-                  prompt_len=_PROMPT_LEN.value, max_new_tokens=_MAX_NEW.value, seed=_SEED.value,
-                  plain_steps=plain_steps,
+    report = dict(_HELD_OUT.header(pair, prompts), max_new_tokens=_MAX_NEW.value, plain_steps=plain_steps,
                   thresholds=dict(fitted=list(fitted) if fitted is not None else None,
                                   lucebox=list(LUCEBOX_THRESHOLDS)), policies={})
     runs: dict[str, tuple[str, str | int | WidthPolicy]] = {"adaptive": ("exact", "adaptive"),
@@ -73,12 +60,8 @@ def main(argv: list[str]) -> None:
     report["goal"] = dict(policy="adaptive", matched_per_offered=_GOAL_RATE, step_reduction=_GOAL_STEPS,
                           met=row["matched_per_offered"] >= _GOAL_RATE and row["step_reduction"] >= _GOAL_STEPS
                           and row["identical_to_plain"])
-    text = json.dumps(report, indent=2)
-    print(text)
-    if _JSON.value:
-        with open(_JSON.value, "w") as f:
-            f.write(text + "\n")
+    print_json(report, _JSON.value)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    run_main(main)

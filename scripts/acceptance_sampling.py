@@ -4,44 +4,38 @@ and lossless verification, and the drafter's confidence against real acceptance 
     python scripts/acceptance_sampling.py                        # the embedded pair, JSON to stdout
     python scripts/acceptance_sampling.py --json_out docs/acceptance_sampling.json
 
-For each temperature (`--temperatures`), plain sampling of `--prompts` held-out prompts (the standard
-library's held-out `.py` files, `dsparkjax/training/corpus.py`) is the baseline: target steps for
-`--max_new_tokens` tokens per prompt (no stop token). Each verify mode and width (`--widths`) then reports
-candidates matched/offered, target steps, the factor plain steps / speculative steps, and for exact mode
-whether the output equals plain sampling's (it must). Runs at the widest fixed width verify every candidate,
-so they also give, per block slot i and confidence bin, how often candidate i was accepted given that
-candidates 1..i-1 were (the calibration the width policy thresholds; `scripts/calibrate.py` does it greedily),
-and the width policy refitted on them: the survival thresholds `calibration.fit_thresholds` gives with its
-break-even (what `scripts/calibrate.py` stores in the drafter, fitted there on greedy continuations), then a
-run of the adaptive policy with those thresholds (width "fitted"; fitted and run on the same prompts).
+For each temperature (`--temperatures`), plain sampling of `--prompts` held-out prompts (the standard library's
+held-out `.py` files, or those under `--prompt_dir`, `dsparkjax/training/corpus.py`) is the baseline: target
+steps for `--max_new_tokens` tokens per prompt (no stop token). Each verify mode and width (`--widths`) then
+reports candidates matched/offered, target steps, the factor plain steps / speculative steps, and for exact mode
+whether the output equals plain sampling's (it must). Runs at the widest fixed width verify every candidate, so
+they also give, per block slot i and confidence bin, how often candidate i was accepted given that candidates
+1..i-1 were (the calibration the width policy thresholds; `scripts/calibrate.py` does it greedily), and the width
+policy refitted on them: the survival thresholds `calibration.fit_thresholds` gives with its break-even (what
+`scripts/calibrate.py` stores in the drafter, fitted there on greedy continuations), then a run of the adaptive
+policy with those thresholds (width "fitted"; fitted and run on the same prompts).
 `--markdown_out` writes the tables of docs/sampling.md from the same results.
 """
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import jax
 import numpy as np
-from absl import app, flags, logging
+from absl import flags, logging
 
+from dsparkjax.cli_inputs import HeldOutFlags, print_json, run_main
 from dsparkjax.decoding.decoder import Decoder
 from dsparkjax.decoding.engine import Engine
 from dsparkjax.decoding.generate import generate
 from dsparkjax.decoding.proposer import Proposer
 from dsparkjax.decoding.sampling import RowSampling, SamplingParams
 from dsparkjax.decoding.width import WidthPolicy
-from dsparkjax.embedded import load_pair
 from dsparkjax.training import calibration as fit
-from dsparkjax.training.corpus import held_out_prompts
 
-_TARGET = flags.DEFINE_string("target", None, "Target GGUF (default: the embedded target).")
-_DRAFT = flags.DEFINE_string("draft", None, "Drafter GGUF (default: the embedded drafter).")
-_PROMPTS = flags.DEFINE_integer("prompts", 16, "Held-out prompts.")
-_PROMPT_LEN = flags.DEFINE_integer("prompt_len", 32, "Tokens per prompt.")
+_HELD_OUT = HeldOutFlags.define(seed_help="Seed of the prompt positions; prompt i samples with seed + i.")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "Tokens generated per prompt.")
-_SEED = flags.DEFINE_integer("seed", 7, "Seed of the prompt positions; prompt i samples with seed + i.")
 _TEMPERATURES = flags.DEFINE_list("temperatures", ["0.7", "1.0"], "Sampling temperatures.")
 _MODES = flags.DEFINE_list("modes", ["exact", "lossless"], "Verify modes.")
 _WIDTHS = flags.DEFINE_list("widths", ["adaptive", "6"], "Verify widths: 'adaptive' or q in 2..6.")
@@ -78,7 +72,7 @@ def run_recorded(target, drafter, prompts: list[list[int]], params: SamplingPara
                                   max_new_tokens=_MAX_NEW.value, verify=verify, width=width, prefill_chunk=16,
                                   sample=True)
     engine = Engine(decoder)
-    rows = {engine.admit(p, params, _SEED.value + i): i for i, p in enumerate(prompts)}
+    rows = {engine.admit(p, params, _HELD_OUT.seed.value + i): i for i, p in enumerate(prompts)}
     tokens = [[] for _ in prompts]
     steps: list[tuple[np.ndarray, int]] = []
     emitted, calls = engine.prefill(), 0
@@ -127,16 +121,15 @@ def refit(steps: list[tuple[np.ndarray, int]]) -> tuple[float, ...]:
 def main(argv: list[str]) -> None:
     del argv
     logging.set_verbosity(logging.WARNING)
-    target, drafter, target_path, draft_path = load_pair(_TARGET.value, _DRAFT.value, need_drafter=True)
-    prompts = held_out_prompts(target.tokenizer, _PROMPTS.value, _PROMPT_LEN.value, _SEED.value)
-    report: dict[str, Any] = dict(target=target_path, draft=draft_path, prompts=len(prompts),
-                                  prompt_len=_PROMPT_LEN.value, max_new_tokens=_MAX_NEW.value, seed=_SEED.value,
+    pair, prompts = _HELD_OUT.load()
+    target, drafter = pair.target, pair.drafter
+    report: dict[str, Any] = dict(_HELD_OUT.header(pair, prompts), max_new_tokens=_MAX_NEW.value,
                                   stored_thresholds=list(drafter.width_thresholds or ()),
                                   break_even=fit.BREAK_EVEN, temperatures={})
     widest = drafter.block_size + 1
     for temperature in map(float, _TEMPERATURES.value):
         params = SamplingParams(temperature)
-        seeds = [_SEED.value + i for i in range(len(prompts))]
+        seeds = [_HELD_OUT.seed.value + i for i in range(len(prompts))]
         plain = generate(target, prompts, drafter=drafter, mode="ar", max_new_tokens=_MAX_NEW.value,
                          stop_tokens=(), temperature=temperature, seed=seeds)
         plain_steps = sum(r.steps for r in plain)
@@ -165,11 +158,7 @@ def main(argv: list[str]) -> None:
                 policy = WidthPolicy("confidence", max_q=widest, thresholds=rows[str(widest)]["fitted_thresholds"])
                 rows["fitted"] = measure(verify, policy)
         report["temperatures"][str(temperature)] = entry
-    text = json.dumps(report, indent=2)
-    print(text)
-    if _JSON.value:
-        with open(_JSON.value, "w") as f:
-            f.write(text + "\n")
+    print_json(report, _JSON.value)
     if _MARKDOWN.value:
         with open(_MARKDOWN.value, "w") as f:
             f.write(markdown(report))
@@ -206,4 +195,4 @@ def _numbers(values: list[float]) -> str:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    run_main(main)

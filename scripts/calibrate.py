@@ -18,22 +18,14 @@ from __future__ import annotations
 import json
 
 import numpy as np
-from absl import app, flags, logging
+from absl import flags, logging
 
-from dsparkjax.embedded import load_pair
+from dsparkjax.cli_inputs import HeldOutFlags, run_main
 from dsparkjax.training import calibration
-from dsparkjax.training.corpus import held_out_prompts
 
-_TARGET = flags.DEFINE_string("target", None, "Target GGUF (default: the embedded target).")
-_DRAFT = flags.DEFINE_string("draft", None, "Drafter GGUF (default: the embedded drafter).")
-_PROMPTS = flags.DEFINE_integer("prompts", calibration.PROMPTS, "Held-out prompts.")
-_PROMPT_LEN = flags.DEFINE_integer("prompt_len", calibration.PROMPT_LEN, "Tokens per prompt.")
+_HELD_OUT = HeldOutFlags.define(calibration.PROMPTS, calibration.PROMPT_LEN, calibration.PROMPT_SEED)
 _NEW = flags.DEFINE_integer("new_tokens", calibration.NEW_TOKENS,
                             "Greedy tokens per prompt (the positions drafted from).")
-_SEED = flags.DEFINE_integer("seed", calibration.PROMPT_SEED, "Seed of the prompt positions.")
-_PROMPT_DIR = flags.DEFINE_string(
-    "prompt_dir", None, "Draw the prompts from every .py file under this directory instead of this Python's held-out "
-    "split (which is held out only for a pair trained on this Python).")
 _BINS = flags.DEFINE_integer("bins", 10, "Confidence bins.")
 _BREAK_EVEN = flags.DEFINE_float("break_even", calibration.BREAK_EVEN,
                                   "Calibrated survival a verified candidate must reach.")
@@ -71,13 +63,10 @@ def report(proposals: calibration.Proposals, bins: int, break_even: float) -> di
 def main(argv: list[str]) -> None:
     del argv
     logging.set_verbosity(logging.WARNING)
-    target, drafter, target_path, draft_path = load_pair(_TARGET.value, _DRAFT.value, need_drafter=True)
-    prompts = held_out_prompts(target.tokenizer, _PROMPTS.value, _PROMPT_LEN.value, _SEED.value,
-                               _PROMPT_DIR.value)
-    proposals = calibration.proposals_on(target, drafter, prompts, _NEW.value)
-    result = dict(target=target_path, draft=draft_path, prompts=len(prompts), prompt_dir=_PROMPT_DIR.value,
-                  prompt_len=_PROMPT_LEN.value, new_tokens=_NEW.value, seed=_SEED.value,
-                  positions=int(len(proposals.matches)),
+    pair, prompts = _HELD_OUT.load()
+    drafter = pair.drafter
+    proposals = calibration.proposals_on(pair.target, drafter, prompts, _NEW.value)
+    result = dict(_HELD_OUT.header(pair, prompts), new_tokens=_NEW.value, positions=int(len(proposals.matches)),
                   stored_thresholds=list(drafter.width_thresholds) if drafter.width_thresholds is not None else None,
                   **report(proposals, _BINS.value, _BREAK_EVEN.value))
     print(json.dumps([{k: s[k] for k in ("slot", "samples", "acceptance", "conditional_ece", "conditional_auc",
@@ -89,8 +78,8 @@ def main(argv: list[str]) -> None:
     if _PNG.value:
         plot(result["slots"], result["stored_thresholds"] or [], _PNG.value)
     if _WRITE.value:
-        calibration.write_thresholds(draft_path, tuple(result["thresholds"]))
-        print(f"wrote the thresholds to {draft_path}")
+        calibration.write_thresholds(pair.draft_path, tuple(result["thresholds"]))
+        print(f"wrote the thresholds to {pair.draft_path}")
 
 
 def plot(slots: list[dict], stored: list[float], path: str) -> None:
@@ -129,4 +118,4 @@ def plot(slots: list[dict], stored: list[float], path: str) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    run_main(main)

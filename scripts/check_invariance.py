@@ -34,8 +34,9 @@ def load(config: str | None):
     import jax.numpy as jnp
 
     from dsparkjax import kernels
-    from dsparkjax.decoding.proposer import Drafter, load_drafter
-    from dsparkjax.target_api import DTYPES, Target, load_target
+    from dsparkjax.decoding.proposer import Drafter
+    from dsparkjax.pair import load_pair
+    from dsparkjax.target_api import DTYPES, Target
 
     if config == "ds4":
         from dsparkjax.config import deepseek_v4_flash, dspark_flash
@@ -48,14 +49,8 @@ def load(config: str | None):
         tsrc, dsrc = random_sources(tcfg, dcfg, seed=_SEED.value, recipe="published")
         target = Target("random ds4", tcfg, load_target_params(tsrc, tcfg, dtype, pack), dtype, True, None, backend)
         return target, Drafter("random ds4", dcfg, load_drafter_params(dsrc, dcfg, jnp.dtype(dtype), pack), target)
-    target_path, draft_path = _TARGET.value, _DRAFT.value
-    if target_path is None:
-        from dsparkjax.embedded import embedded_pair
-
-        target_path, default_draft = embedded_pair()
-        draft_path = draft_path or default_draft
-    target = load_target(target_path, dtype=_DTYPE.value, kernels=_KERNELS.value)
-    return target, (load_drafter(draft_path, target) if draft_path else None)
+    pair = load_pair(_TARGET.value, _DRAFT.value, dtype=_DTYPE.value, kernels=_KERNELS.value)
+    return pair.target, pair.drafter
 
 
 def main(argv: list[str]) -> None:

@@ -34,8 +34,10 @@
 # oracle proposes plain sampling's tokens with a point-mass q, so each is accepted with the target's probability of
 # it: its lossless_matched_per_offered in the JSON says what acceptance its tok/s had) and `scan` (issue 38:
 # unrolled vs scanned layers at DS4's dims, compile seconds, step ms and the cold and warm start to the first token;
-# SCAN_LAYERS picks the layer counts) and `warmstart` (issue 38: tests/test_exported.py on the GPU, then
-# scripts/startup_compile.py twice on one cache, DS4's 43-layer width-1 step: the warm start's trace + lower seconds).
+# SCAN_LAYERS picks the layer counts), `warmstart` (issue 38: tests/test_exported.py on the GPU, then
+# scripts/startup_compile.py twice on one cache, DS4's 43-layer width-1 step: the warm start's trace + lower seconds)
+# and `slow` (the tests marked slow, which CI skips, on the host's CPUs with JAX_PLATFORMS=cpu and 4 pytest-xdist
+# workers; not measured yet).
 set -uo pipefail
 SECTIONS="${*:-tests kernels generate}"
 want() { [[ " $SECTIONS " == *" $1 "* ]]; }
@@ -255,4 +257,9 @@ for run in cold warm; do
   DSPARKJAX_CACHE=/tmp/warmstart_cache python3 scripts/startup_compile.py --config=ds4 --layers=43 \
     2>"$OUT/warmstart_$run.log" | tee "$OUT/warmstart_$run.json"
 done
+fi
+if want slow; then  # not measured yet: CI runs `pytest -q` without --run-slow, so this is where they run
+echo "== tests marked slow (CI skips them), on the CPU: JAX_PLATFORMS=cpu pytest --run-slow -m slow"
+JAX_PLATFORMS=cpu python3 -m pytest -q -p no:cacheprovider -n 4 --run-slow -m slow tests/ > "$OUT/slow_tests.log" 2>&1
+tail -3 "$OUT/slow_tests.log"
 fi

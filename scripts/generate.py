@@ -20,7 +20,7 @@ from absl import flags, logging
 
 from dsparkjax import chat, cli_inputs, runtime
 from dsparkjax.decoding.generate import generate
-from dsparkjax.embedded import load_pair
+from dsparkjax.pair import load_pair
 from dsparkjax.errors import DsparkError
 
 DEFAULT_PROMPTS = (  # the embedded pair writes Python (it was trained on the standard library)

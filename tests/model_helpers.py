@@ -19,7 +19,7 @@ import numpy as np
 from dsparkjax.config import DrafterConfig, TargetConfig, tiny_drafter, tiny_target
 from dsparkjax.decoding.program import step_program
 from dsparkjax.decoding.proposer import Drafter
-from dsparkjax.embedded import load_pair
+from dsparkjax.pair import load_pair
 from dsparkjax.ggufio import write_model_gguf
 from dsparkjax.model.state import DecodeState, commit, init_state
 from dsparkjax.target_api import Target, load_target

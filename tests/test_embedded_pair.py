@@ -18,19 +18,11 @@ import sys
 import pytest
 
 from dsparkjax.decoding.generate import generate
-from dsparkjax.decoding.proposer import load_drafter
-from dsparkjax.embedded import embedded_pair
-from dsparkjax.target_api import load_target
+from dsparkjax.pair import load_pair
 
 PROMPT = "class Parser:\n    def __init__(self, text):\n"
 NEW_TOKENS = 16  # greedy, float32 on the CPU
 RECORD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "embedded_pair.json")
-
-
-def load_pair():
-    target_path, draft_path = embedded_pair()
-    target = load_target(target_path)
-    return target, load_drafter(draft_path, target)
 
 
 def continuation(target, drafter, ids: list[int], mode: str) -> tuple[list[int], object]:
@@ -41,7 +33,7 @@ def continuation(target, drafter, ids: list[int], mode: str) -> tuple[list[int],
 
 @pytest.fixture(scope="module")
 def pair():
-    return load_pair()
+    return load_pair(None, None)[:2]
 
 
 def test_embedded_pair_continues_the_prompt_as_recorded(pair):
@@ -61,7 +53,7 @@ def test_embedded_pair_continues_the_prompt_as_recorded(pair):
 
 def record() -> None:
     """Write the shipped pair's prompt ids and greedy continuation to RECORD."""
-    target, drafter = load_pair()
+    target, drafter, _, _ = load_pair(None, None)
     ids = target.tokenizer.encode(PROMPT, add_bos=True)
     tokens, _ = continuation(target, drafter, ids, "ar")
     fields = dict(prompt=PROMPT, prompt_ids=ids, continuation=tokens, text=target.tokenizer.decode(tokens))

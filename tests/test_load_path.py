@@ -21,7 +21,7 @@ from dsparkjax import footprint, runtime
 from dsparkjax.config import deepseek_v4_flash, dspark_flash, tiny_drafter, tiny_target
 from dsparkjax.decoding.generate import generate
 from dsparkjax.decoding.proposer import load_drafter
-from dsparkjax.errors import DeviceMemoryError, GGUFContractError
+from dsparkjax.errors import DeviceMemoryError, DsparkError, GGUFContractError
 from dsparkjax.ggufio import open_drafter, open_target
 from dsparkjax.kernels import dequantize
 from dsparkjax.model.params import load_target_params
@@ -175,6 +175,16 @@ def test_a_model_that_cannot_fit_is_refused_before_loading(monkeypatch, tiny_fil
     for part in (tiny_files[0], "Test GPU", "1.0 GB free of the 75.0 GB", "95% it may use about 95.0 GB",
                  "dsparkjax.runtime.configure()", "XLA_PYTHON_CLIENT_MEM_FRACTION=0.95"):
         assert part in message, message
+
+
+@pytest.mark.parametrize("workers", [0, -2])
+def test_load_workers_below_one_is_refused_naming_the_argument(tiny_files, workers):
+    """load_target and load_drafter refuse `load_workers` < 1 with a DsparkError naming it and the value."""
+    with pytest.raises(DsparkError, match=f"load_workers must be >= 1, got {workers}"):
+        load_target(tiny_files[0], load_workers=workers)
+    target = load_target(tiny_files[0])
+    with pytest.raises(DsparkError, match=f"load_workers must be >= 1, got {workers}"):
+        load_drafter(tiny_files[1], target, load_workers=workers)
 
 
 def test_weights_sized_from_shapes_match_the_loaded_ones(tiny_files):

@@ -107,16 +107,19 @@ def _check_same(invariant: bool, width: int, kernel: str = "ffi"):
 
 
 @needs_plugin
-@pytest.mark.parametrize("invariant,width", [(False, 3), (True, 6)])
-def test_scanned_step_equals_unrolled(invariant, width):
-    """Logits, captured features and every layer's caches are the same bits after steps with partial commits."""
-    _check_same(invariant, width)
+def test_scanned_step_equals_unrolled():
+    """Logits, captured features and every layer's caches are the same bits after steps with partial commits.
+
+    The invariant step at width 6 (the FFI matrices, HC mixes and indexer inside the scanned body); the
+    contractions XLA orders itself, inside a scan as unrolled, are test_scanned_step_on_the_reference_kernels_
+    equals_unrolled's (and the FFI target's non-invariant step is in the slow test below)."""
+    _check_same(True, 6)
 
 
 @needs_plugin
 @pytest.mark.slow
 @pytest.mark.parametrize("invariant", [False, True])
-@pytest.mark.parametrize("width", [1, 2, 4, 5])
+@pytest.mark.parametrize("width", [1, 2, 3, 4, 5])
 def test_scanned_step_equals_unrolled_every_width(invariant, width):
     _check_same(invariant, width)
 

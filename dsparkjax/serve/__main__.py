@@ -16,7 +16,7 @@ from absl import flags, logging
 
 from dsparkjax import runtime
 from dsparkjax.cli_inputs import run_main
-from dsparkjax.embedded import load_pair
+from dsparkjax.pair import load_pair
 from dsparkjax.errors import DsparkError
 from dsparkjax.serve import EMBEDDED_MODEL
 
