@@ -137,6 +137,7 @@ class Drafter:
     def _programs(self, invariant: bool) -> tuple[AotFunction, AotFunction, AotFunction]:
         return _compiled(self.config, self.target.simulate_qat, self.policy(invariant))
 
+
 def load_drafter(path: str, target: Target, *, progress: bool = False, load_workers: int = LOAD_WORKERS) -> Drafter:
     """Open a `deepseek4-dflash-draft` GGUF, check its contract and its fit to `target`, load its weights
     (streamed to the device as the target's, `load_target`, `load_workers` threads ahead of the loader) and the
