@@ -56,8 +56,8 @@ class Recorder:
         return getattr(self.inner, name)
 
     def propose_sampled(self, state: Any, seeds: jax.Array, seed_pos: jax.Array, rows: RowSampling, purpose: int,
-                        with_logits: bool) -> tuple[jax.Array, jax.Array, jax.Array | None]:
-        out = self.inner.propose_sampled(state, seeds, seed_pos, rows, purpose, with_logits)
+                        with_logits: bool, *, invariant: bool) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+        out = self.inner.propose_sampled(state, seeds, seed_pos, rows, purpose, with_logits, invariant=invariant)
         self.confidences.append(out[1])
         return out
 

@@ -93,7 +93,8 @@ FIELDS = {
                   "commit), batch 1, steps queued back to back with no read-back",
     "steps.*.ratio_to_q1": "steps.*.ms / steps.1.ms",
     "steps.*.runs_ms": "each timed run's ms per step",
-    "drafter.propose_ms": "ms per DSpark drafter proposal (5 candidates after a seed), batch 1, back to back",
+    "drafter.propose_ms": "ms per DSpark drafter proposal (5 candidates after a seed), batch 1, back to back, under "
+                          "exact mode's policy (XLA's order)",
     "drafter.runs_ms": "each timed run's ms per proposal",
     "speculative.plain_exact.tok_s": "plain decoding through the exact program (width 6), tokens per second: the "
                                      "baseline exact speculative decoding must equal token for token",

@@ -1,5 +1,7 @@
 """Check that a decode step is batch invariant: every row of a step of width q = 1..6 and batch B in {1, 3, 8}
-carries the bits of plain decoding (q = 1, B = 1) of its sequence, for the target and the drafter.
+carries the bits of plain decoding (q = 1, B = 1) of its sequence, for the target and the drafter. The drafter is
+checked under its batch-invariant policy, the one lossless mode runs it with (its drafts decide that mode's tokens);
+exact and fast modes run it in XLA's order (docs/decoding.md, "The drafter's policy").
 
     python scripts/check_invariance.py                                   # the embedded pair
     python scripts/check_invariance.py --target T.gguf --draft D.gguf
@@ -68,6 +70,7 @@ def main(argv: list[str]) -> None:
     setup = invariance.prefilled(target, drafter, invariance.default_lengths(target, _SEQUENCES.value), _SEED.value)
     diffs = invariance.check_target(target, setup, seed=_SEED.value)
     if drafter is not None:
+        print("drafter: under its batch-invariant policy (lossless mode's; exact and fast modes run XLA's order)")
         diffs += invariance.check_drafter(drafter, setup, seed=_SEED.value)
     print(invariance.report(diffs))
     sys.exit(0 if all(d.max_bits == 0 for d in diffs) else 1)

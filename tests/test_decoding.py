@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -52,7 +54,7 @@ def test_drafter_absorb_wider_than_its_rings_is_refused():
     state = drafter.init_state(1, 6)
     features = jnp.zeros((1, 7, len(drafter.capture_layers), drafter.config.hidden_size), jnp.float32)
     with pytest.raises(CapacityError, match="7 rows, wider than its context state's max_step 6"):
-        drafter.absorb(state, features, jnp.arange(7, dtype=jnp.int32)[None, :])
+        drafter.absorb(state, features, jnp.arange(7, dtype=jnp.int32)[None, :], invariant=True)
 
 
 # -- programs: traced once per width, state donated --------------------------------------------------------
@@ -83,6 +85,40 @@ def test_each_width_is_traced_once_across_a_generation(monkeypatch):
     assert [s.token_ids for s in spec] == [p.token_ids for p in plain]
     assert sum(s.steps for s in spec) > 7  # more steps than programs
     assert traces == {8: 1, 1: 1, 2: 1, 3: 1, 4: 1, 5: 1, 6: 1}
+
+
+def test_the_drafter_is_batch_invariant_only_where_its_drafts_decide_the_output(monkeypatch):
+    """Exact mode emits the target's tokens whatever is drafted, so the drafter's absorb and proposal trace under
+    the target's XLA-ordered policy; lossless mode's sampling rows sample against the drafts' distribution, so
+    there both trace under the batch-invariant one (its greedy rows decode as exact mode's)."""
+    from dsparkjax.decoding import proposer
+    from dsparkjax.kernels import policy as kernel_policy
+    from dsparkjax.model.drafter import DrafterModel
+
+    seen: set[tuple[str, bool]] = set()
+
+    def recorded(name):
+        method = getattr(DrafterModel, name).__wrapped__  # inside `routed`, where the weights read the policy
+
+        def traced(self, *args, **kwargs):
+            seen.add((name, kernel_policy.active().invariant))
+            return method(self, *args, **kwargs)
+
+        return kernel_policy.routed(traced)
+
+    for name in ("absorb", "propose", "propose_sampled"):
+        monkeypatch.setattr(DrafterModel, name, recorded(name))
+    target, drafter = tiny_pair_model()
+    assert target.invariant
+    for verify, temperature, invariant in (("exact", 0.0, False), ("exact", 0.9, False), ("lossless", 0.0, False),
+                                           ("lossless", 0.9, True)):
+        # Fresh drafter programs, so this run's are all traced.
+        monkeypatch.setattr(proposer, "_compiled", functools.lru_cache(proposer._compiled.__wrapped__))
+        seen.clear()
+        generate(target, [[5, 6, 7, 8], [9, 10]], drafter=drafter, verify=verify, temperature=temperature, seed=[1, 2],
+                 width=6, max_new_tokens=3, stop_tokens=())
+        proposal = "propose_sampled" if temperature else "propose"
+        assert seen == {("absorb", invariant), (proposal, invariant)}, (verify, temperature)
 
 
 def test_prefill_and_step_donate_the_loop_state():

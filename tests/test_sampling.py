@@ -292,8 +292,8 @@ class ProposalLog:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def propose_sampled(self, *args):
-        out = self.inner.propose_sampled(*args)
+    def propose_sampled(self, *args, **kwargs):
+        out = self.inner.propose_sampled(*args, **kwargs)
         self.drawn_from.append(out[2])
         return out
 
@@ -313,8 +313,8 @@ def test_only_the_lossless_proposal_returns_the_logits_it_drew_from():
     loop = decoder.init().replace(sampling=RowSampling.of([SamplingParams(0.9)] * 2, [5, 6]))
     loop, _ = decoder.prefill(loop, {row: np.asarray(p) for row, p in enumerate(prompts)})
     args = (loop.proposer, loop.seeds, loop.state.length, loop.sampling, sampling.DRAFT)
-    candidates, confidences, none = drafter.propose_sampled(*args, False)
-    *same, logits = drafter.propose_sampled(*args, True)
+    candidates, confidences, none = drafter.propose_sampled(*args, False, invariant=decoder.drafts_invariant)
+    *same, logits = drafter.propose_sampled(*args, True, invariant=decoder.drafts_invariant)
     assert none is None
     chex.assert_shape(logits, (2, drafter.block_size, VOCAB))
     chex.assert_trees_all_equal(same, [candidates, confidences])

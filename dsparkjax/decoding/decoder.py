@@ -19,6 +19,8 @@ sequences' policy chose (one program per width, reading each step's widths back;
 - "lossless": exact mode's batch-invariant programs, with the lossless rejection-sampling rule when sampling
   (the target's distribution, not plain sampling's tokens; more candidates accepted). Greedy rows are decoded
   as in exact mode.
+The proposer runs batch invariant only where its drafts decide the output, the lossless rule's sampling rows
+(`drafts_invariant`); elsewhere they decide only how many candidates are accepted, and it runs in XLA's order.
 """
 
 from __future__ import annotations
@@ -110,6 +112,14 @@ class Decoder:
         return self.verify == "lossless" and self.sample and self.proposer is not None
 
     @property
+    def drafts_invariant(self) -> bool:
+        """Whether the proposer's programs are batch invariant: where the lossless rule samples against the
+        drafts' distribution, so a sequence's tokens depend on the drafts' bits. Exact and fast modes emit the
+        target's tokens whatever is drafted (the drafts move only the acceptance), so the proposer takes XLA's
+        cheaper order there."""
+        return self.lossless
+
+    @property
     def draft_noise(self) -> int:
         """The noise purpose the proposer samples with: the target's own in exact and fast modes (the coupling
         that makes accepted candidates the plain run's tokens), an independent one in lossless mode."""
@@ -153,7 +163,8 @@ class Decoder:
             plain_proposal.compile(ints, self.block)
         else:
             self.proposer.precompile(loop.proposer, tuple({self.prefill_chunk, *self.widths}),
-                                     (loop.sampling, self.draft_noise, self.lossless) if self.sample else None)
+                                     (loop.sampling, self.draft_noise, self.lossless) if self.sample else None,
+                                     invariant=self.drafts_invariant)
             _width_fn(self.policy).compile(jax.ShapeDtypeStruct((batch, self.block), jnp.float32),
                                            jax.ShapeDtypeStruct((batch,), jnp.float32))
 
@@ -203,9 +214,11 @@ class Decoder:
         if self.proposer is not None:
             if self.sample:
                 drafts, confidences, draft_logits = self.proposer.propose_sampled(
-                    loop.proposer, loop.seeds, loop.state.length, loop.sampling, self.draft_noise, self.lossless)
+                    loop.proposer, loop.seeds, loop.state.length, loop.sampling, self.draft_noise, self.lossless,
+                    invariant=self.drafts_invariant)
             else:
-                drafts, confidences = self.proposer.propose(loop.proposer, loop.seeds, loop.state.length)
+                drafts, confidences = self.proposer.propose(loop.proposer, loop.seeds, loop.state.length,
+                                                             invariant=self.drafts_invariant)
             widths = _width_fn(self.policy)(confidences, loop.ewma)
             width = int(np.asarray(widths)[running].max())
         else:
@@ -224,7 +237,8 @@ class Decoder:
     def _absorb(self, loop: LoopState, rows: RowsOut) -> LoopState:
         if self.proposer is None:
             return loop
-        return loop.replace(proposer=self.proposer.absorb(loop.proposer, rows.features, rows.positions))
+        absorbed = self.proposer.absorb(loop.proposer, rows.features, rows.positions, invariant=self.drafts_invariant)
+        return loop.replace(proposer=absorbed)
 
     # The programs are looked up on every use (cached per config): the tests watch them by patching these.
     def _prefill(self) -> AotFunction:

@@ -4,6 +4,10 @@ The loop talks to a `Proposer`: it absorbs the target's captured features of ver
 `block_size` candidates after each seed, greedily (`propose`) or, when the loop samples, drawn with the
 sequence's keyed noise from a distribution it reports (`propose_sampled`, decoding/sampling.py). `Drafter` is the DSpark implementation; tests plug in others (an
 oracle that knows the target's greedy continuation) through the same protocol.
+
+Every call names its kernel policy (`invariant`, static): batch invariant where the drafts decide the output
+(lossless mode samples against their distribution), XLA's order where they only decide how many candidates are
+accepted (exact and fast modes), which is cheaper (docs/decoding.md#the-drafters-policy).
 """
 
 from __future__ import annotations
@@ -39,18 +43,21 @@ class Proposer(Protocol):
         """Empty proposer state for `batch` sequences and absorbed steps of up to `max_step` rows."""
 
     def precompile(self, state: Any, widths: tuple[int, ...],
-                   sampled: tuple[RowSampling, int, bool] | None = None) -> None:
-        """Compile ahead of time whatever `absorb` (for these row counts) and `propose` will run; with
-        `sampled` (rows, purpose, with_logits) `propose_sampled` instead of `propose`."""
+                   sampled: tuple[RowSampling, int, bool] | None = None, *, invariant: bool) -> None:
+        """Compile ahead of time whatever `absorb` (for these row counts) and `propose` will run under the
+        `invariant` or XLA's policy; with `sampled` (rows, purpose, with_logits) `propose_sampled` instead of
+        `propose`."""
 
-    def absorb(self, state: Any, features: jax.Array, positions: jax.Array) -> Any:
-        """Take the target features `[B, C, n_capture, D]` of rows at positions `[B, C]`."""
+    def absorb(self, state: Any, features: jax.Array, positions: jax.Array, *, invariant: bool) -> Any:
+        """Take the target features `[B, C, n_capture, D]` of rows at positions `[B, C]`; `invariant`: each row
+        computed in an order of its own (`KernelPolicy.invariant`), else in XLA's."""
 
-    def propose(self, state: Any, seeds: jax.Array, seed_pos: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def propose(self, state: Any, seeds: jax.Array, seed_pos: jax.Array, *, invariant: bool
+                ) -> tuple[jax.Array, jax.Array]:
         """Candidates int32 `[B, block_size]` and confidences float32 `[B, block_size]` after seeds `[B]`."""
 
     def propose_sampled(self, state: Any, seeds: jax.Array, seed_pos: jax.Array, rows: RowSampling, purpose: int,
-                        with_logits: bool) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+                        with_logits: bool, *, invariant: bool) -> tuple[jax.Array, jax.Array, jax.Array | None]:
         """Sampled candidates, their confidences, and with `with_logits` (static; the lossless rule's) the
         logits float32 `[B, block_size, V]` each candidate was drawn from (softmax of them is exactly the
         distribution sampled: the lossless rule's q), else None. Candidate i predicts position
@@ -95,8 +102,8 @@ class Drafter:
         return init_drafter_state(self.config, batch, max_step, self.target.dtype)
 
     def precompile(self, state: DrafterState, widths: tuple[int, ...],
-                   sampled: tuple[RowSampling, int, bool] | None = None) -> None:
-        absorb, propose, propose_sampled = self._programs()
+                   sampled: tuple[RowSampling, int, bool] | None = None, *, invariant: bool) -> None:
+        absorb, propose, propose_sampled = self._programs(invariant)
         batch, dim = state.last_position.shape[0], self.config.hidden_size
         n_cap = len(self.capture_layers)
         for width in widths:
@@ -109,20 +116,28 @@ class Drafter:
         else:
             propose_sampled.compile(*args, *sampled)
 
-    def absorb(self, state: DrafterState, features: jax.Array, positions: jax.Array) -> DrafterState:
-        return self._programs()[0](self.params, state, features, positions)
+    def absorb(self, state: DrafterState, features: jax.Array, positions: jax.Array, *, invariant: bool
+               ) -> DrafterState:
+        return self._programs(invariant)[0](self.params, state, features, positions)
 
-    def propose(self, state: DrafterState, seeds: jax.Array, seed_pos: jax.Array) -> tuple[jax.Array, jax.Array]:
-        return self._programs()[1](self.params, self.target.params.embed, self.target.params.head, state, seeds,
-                                   seed_pos)
+    def propose(self, state: DrafterState, seeds: jax.Array, seed_pos: jax.Array, *, invariant: bool
+                ) -> tuple[jax.Array, jax.Array]:
+        return self._programs(invariant)[1](self.params, self.target.params.embed, self.target.params.head, state,
+                                            seeds, seed_pos)
 
     def propose_sampled(self, state: DrafterState, seeds: jax.Array, seed_pos: jax.Array, rows: RowSampling,
-                        purpose: int, with_logits: bool) -> tuple[jax.Array, jax.Array, jax.Array | None]:
-        return self._programs()[2](self.params, self.target.params.embed, self.target.params.head, state, seeds,
-                                   seed_pos, rows, purpose, with_logits)
+                        purpose: int, with_logits: bool, *, invariant: bool
+                        ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+        return self._programs(invariant)[2](self.params, self.target.params.embed, self.target.params.head, state,
+                                            seeds, seed_pos, rows, purpose, with_logits)
 
-    def _programs(self) -> tuple[AotFunction, AotFunction, AotFunction]:
-        return _compiled(self.config, self.target.simulate_qat, self.target.options().policy)
+    def policy(self, invariant: bool) -> KernelPolicy:
+        """The kernel routing of the drafter's programs: the target's batch-invariant policy (where it can be,
+        `Target.invariant`) or its XLA-ordered one, the routing of the target's own steps in those modes."""
+        return self.target.options(invariant=invariant).policy
+
+    def _programs(self, invariant: bool) -> tuple[AotFunction, AotFunction, AotFunction]:
+        return _compiled(self.config, self.target.simulate_qat, self.policy(invariant))
 
 
 def load_drafter(path: str, target: Target, *, progress: bool = False, load_workers: int = LOAD_WORKERS) -> Drafter:

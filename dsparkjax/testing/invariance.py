@@ -113,7 +113,7 @@ def prefilled(target: Target, drafter: Drafter | None, lengths: list[int], seed:
         positions = jnp.asarray(done[:, None] + np.arange(chunk)[None, :], jnp.int32)
         _, features, state = step(target.params, state, jnp.asarray(rows))
         if drafter is not None:
-            dstate = drafter.absorb(dstate, features, positions)
+            dstate = drafter.absorb(dstate, features, positions, invariant=True)
         state = commit(state, jnp.asarray(valid, jnp.int32))
         done += valid
     tokens = rng.integers(0, cfg.vocab_size, (batch, max(WIDTHS))).astype(np.int32)
@@ -176,12 +176,14 @@ def check_drafter(drafter: Drafter, setup: Setup, *, widths: Iterable[int] = WID
     """The drafter's proposal per batch size, and absorbing q rows at once, against B = 1 and one row at a time.
 
     The proposal compares the block's logits before the Markov bias, the candidates and the confidences (the
-    batch axis is its only variable width); absorbing compares every stage's context rows. Returns Diffs named
-    'drafter.*' (width 1 for the proposal).
+    batch axis is its only variable width); absorbing compares every stage's context rows. Both run under the
+    drafter's batch-invariant policy, lossless mode's (`Decoder.drafts_invariant`: exact and fast modes' drafts
+    need not be, their output does not depend on them). Returns Diffs named 'drafter.*' (width 1 for the
+    proposal).
     """
     target = drafter.target
     n = setup.tokens.shape[0]
-    model = DrafterModel(drafter.config, target.simulate_qat, target.options().policy)
+    model = DrafterModel(drafter.config, target.simulate_qat, drafter.policy(invariant=True))
     seeds = jnp.asarray(setup.tokens[:, 0])
     seed_pos = jnp.asarray(setup.lengths, jnp.int32)
 
@@ -219,11 +221,11 @@ def check_drafter(drafter: Drafter, setup: Setup, *, widths: Iterable[int] = WID
             pairs = []
             for group in groups:
                 at_once = drafter.absorb(take_rows(setup.drafter_state, group), jnp.asarray(features[group, :q]),
-                                         jnp.asarray(positions[group, :q], jnp.int32))
+                                         jnp.asarray(positions[group, :q], jnp.int32), invariant=True)
                 one_by_one = take_rows(setup.drafter_state, group)
                 for i in range(q):
                     one_by_one = drafter.absorb(one_by_one, jnp.asarray(features[group, i : i + 1]),
-                                                jnp.asarray(positions[group, i : i + 1], jnp.int32))
+                                                jnp.asarray(positions[group, i : i + 1], jnp.int32), invariant=True)
                 a, b = _leaves(at_once), _leaves(one_by_one)
                 pairs += [(a[name], b[name]) for name in a]
             diffs.append(diff_of("drafter.absorb", q, batch, pairs))

@@ -41,23 +41,26 @@ class OracleProposer:
         assert batch == self.truth.shape[0]
         return jnp.asarray(self.truth, jnp.int32), jnp.asarray(self.wrong)
 
-    def precompile(self, state: Any, widths: tuple[int, ...], sampled: Any = None) -> None:
-        del state, widths, sampled  # nothing to compile ahead: propose is a few jnp ops
+    # Its proposals are integer lookups, the same bits under any kernel policy: `invariant` changes nothing.
+    def precompile(self, state: Any, widths: tuple[int, ...], sampled: Any = None, *, invariant: bool) -> None:
+        del state, widths, sampled, invariant  # nothing to compile ahead: propose is a few jnp ops
 
-    def absorb(self, state: Any, features: jax.Array, positions: jax.Array) -> Any:
-        del features, positions
+    def absorb(self, state: Any, features: jax.Array, positions: jax.Array, *, invariant: bool) -> Any:
+        del features, positions, invariant
         return state
 
-    def propose(self, state: Any, seeds: jax.Array, seed_pos: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def propose(self, state: Any, seeds: jax.Array, seed_pos: jax.Array, *, invariant: bool
+                ) -> tuple[jax.Array, jax.Array]:
+        del invariant
         truth, wrong = state
         return _propose(truth, wrong, seed_pos, self.block_size, self.vocab, self.bad_id)
 
     def propose_sampled(self, state: Any, seeds: jax.Array, seed_pos: jax.Array, rows: Any, purpose: int,
-                        with_logits: bool) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+                        with_logits: bool, *, invariant: bool) -> tuple[jax.Array, jax.Array, jax.Array | None]:
         """The same candidates, each drawn from a point mass on itself: logits 0 there, −inf elsewhere (a valid
         q for the lossless rule, which then accepts a candidate with the target's probability of it)."""
         del rows, purpose
-        candidates, confidences = self.propose(state, seeds, seed_pos)
+        candidates, confidences = self.propose(state, seeds, seed_pos, invariant=invariant)
         return candidates, confidences, _point_mass(candidates, self.vocab) if with_logits else None
 
 

@@ -57,11 +57,13 @@ def propose_everywhere(target: Target, drafter: Drafter, sequences: np.ndarray, 
     width = drafter.block_size
     step = step_program(target.config, target.options(drafter.capture_layers))
     _, features, _ = step(target.params, init_state(target.config, b, t, t, target.dtype, target.plan), jnp.asarray(sequences))
-    state = drafter.absorb(drafter.init_state(b, t), features, jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)))
+    # Greedy decoding's drafter (exact mode's, in XLA's order: `Decoder.drafts_invariant`).
+    state = drafter.absorb(drafter.init_state(b, t), features, jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)),
+                           invariant=False)
     confidences, matches = [], []
     for s in range(first, t - width):
         seeds, pos = jnp.asarray(sequences[:, s], jnp.int32), jnp.full((b,), s, jnp.int32)
-        candidates, conf = drafter.propose(state, seeds, pos)
+        candidates, conf = drafter.propose(state, seeds, pos, invariant=False)
         confidences.append(np.asarray(conf))
         matches.append(np.asarray(candidates) == sequences[:, s + 1 : s + 1 + width])
     return Proposals(np.concatenate(confidences), np.concatenate(matches))
