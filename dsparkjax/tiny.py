@@ -23,14 +23,16 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags, logging
 
-from dsparkjax import formats
+from dsparkjax import formats, kernels
 from dsparkjax.config import DrafterConfig, TargetConfig, deepseek_v4_flash, dspark_flash, tiny_drafter, tiny_target
 from dsparkjax.formats import GGMLType
 from dsparkjax.ggufio.contract import TensorSpec, drafter_tensor_specs, target_tensor_specs
 from dsparkjax.ggufio.reader import TensorInfo
 from dsparkjax.ggufio.writer import RECIPES, RawTensor, recipe_type, write_model_gguf, write_sparse_gguf
 from dsparkjax.kernels import dequantize
-from dsparkjax.model.sources import packs, stored_form
+from dsparkjax.model.params import load_target_params
+from dsparkjax.model.sources import ShapeSource, packs, stored_form
+from dsparkjax.target_api import Target
 from dsparkjax.testing import synthetic
 
 Params = dict[str, np.ndarray | RawTensor]
@@ -194,6 +196,17 @@ def random_sources(target_cfg: TargetConfig, drafter_cfg: DrafterConfig, *, seed
     drafter = DeviceRandomSource(drafter_tensor_specs(drafter_cfg), recipe, seed + 1, hc_mult=drafter_cfg.hc_mult,
                                  n_experts=drafter_cfg.n_routed_experts, drafter=True)
     return target, drafter
+
+
+def shapes_target(target_cfg: TargetConfig, drafter_cfg: DrafterConfig, dtype: Any, *,
+                  recipe: str = "published") -> Target:
+    """The target of `random_sources` with `jax.ShapeDtypeStruct` parameters: the loader run on the tensor
+    table alone, nothing allocated, so its programs lower and compile at DS4's full size on any host
+    (scripts/step_census.py, scripts/startup_compile.py)."""
+    source, _ = random_sources(target_cfg, drafter_cfg, recipe=recipe)
+    backend = kernels.default_backend()
+    params = load_target_params(ShapeSource(source.path, source.tensors), target_cfg, dtype, backend)
+    return Target(f"shapes of a random {recipe} target", target_cfg, params, dtype, True, None, backend)
 
 
 def write_sparse_pair(out_dir: str, target_cfg: TargetConfig, drafter_cfg: DrafterConfig, *,

@@ -38,16 +38,13 @@ def main(argv: list[str]) -> None:
     import jax
     import jax.numpy as jnp
 
-    from dsparkjax import exported, kernels
+    from dsparkjax import exported
     from dsparkjax.aot import AotFunction
     from dsparkjax.config import deepseek_v4_flash, dspark_flash, tiny_drafter, tiny_target
     from dsparkjax.decoding.program import step_program
-    from dsparkjax.model.params import load_target_params
-    from dsparkjax.model.sources import ShapeSource
     from dsparkjax.model.state import init_state
     from dsparkjax.model.target import TargetModel
-    from dsparkjax.target_api import Target
-    from dsparkjax.tiny import random_sources
+    from dsparkjax.tiny import shapes_target
 
     if _CONFIG.value == "ds4":
         cfg, dtype, recipe = deepseek_v4_flash(_LAYERS.value), jnp.bfloat16, "published"
@@ -55,10 +52,7 @@ def main(argv: list[str]) -> None:
     else:  # the published formats need wider rows than the tiny target's
         cfg, dtype, recipe = tiny_target(layers=_LAYERS.value), jnp.float32, "f32"
         drafter_cfg = tiny_drafter(cfg)
-    source, _ = random_sources(cfg, drafter_cfg, recipe=recipe)
-    backend = kernels.default_backend()
-    params = load_target_params(ShapeSource(source.path, source.tensors), cfg, dtype, backend)
-    target = Target(f"shapes of {_CONFIG.value}", cfg, params, dtype, True, None, backend)
+    target = shapes_target(cfg, drafter_cfg, dtype, recipe=recipe)
     state = jax.eval_shape(lambda: init_state(cfg, _BATCH.value, _CONTEXT.value, _WIDTH.value, dtype))
     tokens = jax.ShapeDtypeStruct((_BATCH.value, _WIDTH.value), jnp.int32)
     options = target.options(invariant=_INVARIANT.value)
@@ -68,7 +62,7 @@ def main(argv: list[str]) -> None:
     folder = exported.directory()
     before = count_files(cache), count_files(folder)
     start = time.perf_counter()
-    lowered = step.lower(params, state, tokens)
+    lowered = step.lower(target.params, state, tokens)
     lowered_at = time.perf_counter()
     lowered.compile()
     done = time.perf_counter()

@@ -119,28 +119,22 @@ def step_hlo(invariant: bool, q: int) -> str:
     import jax
     import jax.numpy as jnp
 
-    from dsparkjax import kernels
     from dsparkjax.config import deepseek_v4_flash, dspark_flash
-    from dsparkjax.model.params import load_target_params
-    from dsparkjax.model.sources import ShapeSource
     from dsparkjax.model.state import init_state
     from dsparkjax.model.target import TargetModel
-    from dsparkjax.target_api import DTYPES, Target
-    from dsparkjax.tiny import random_sources
+    from dsparkjax.target_api import DTYPES
+    from dsparkjax.tiny import shapes_target
 
     cfg = deepseek_v4_flash(_LAYERS.value)
     dtype = DTYPES[_DTYPE.value]
-    tsrc, _ = random_sources(cfg, dspark_flash(_LAYERS.value), recipe="published")
-    backend = kernels.default_backend()
-    params = load_target_params(ShapeSource(tsrc.path, tsrc.tensors), cfg, dtype, backend)
-    target = Target("shapes of random ds4", cfg, params, dtype, True, None, backend)
+    target = shapes_target(cfg, dspark_flash(_LAYERS.value), dtype)
     options = target.options(invariant=invariant)
     state = jax.eval_shape(lambda: init_state(cfg, _BATCH.value, _CONTEXT.value, q, dtype))
     tokens = jax.ShapeDtypeStruct((_BATCH.value, q), jnp.int32)
     step = jax.jit(TargetModel(cfg, options).step, donate_argnums=(1,),
                    compiler_options=options.policy.compiler_options)
     with named_custom_calls():
-        lowered = step.lower(params, state, tokens)
+        lowered = step.lower(target.params, state, tokens)
     return lowered.compile().as_text()
 
 
