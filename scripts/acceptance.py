@@ -20,7 +20,8 @@ from __future__ import annotations
 
 from absl import flags, logging
 
-from dsparkjax.cli_inputs import HeldOutFlags, print_json, run_main
+from held_out import HeldOutFlags, print_json  # scripts/ is on sys.path
+from dsparkjax.cli_inputs import run_main
 from dsparkjax.decoding.generate import generate
 from dsparkjax.decoding.width import LUCEBOX_THRESHOLDS, WidthPolicy
 

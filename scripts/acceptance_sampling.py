@@ -25,7 +25,8 @@ import jax
 import numpy as np
 from absl import flags, logging
 
-from dsparkjax.cli_inputs import HeldOutFlags, print_json, run_main
+from held_out import HeldOutFlags, print_json  # scripts/ is on sys.path
+from dsparkjax.cli_inputs import run_main
 from dsparkjax.decoding.decoder import Decoder
 from dsparkjax.decoding.engine import Engine
 from dsparkjax.decoding.generate import generate

@@ -20,7 +20,8 @@ import json
 import numpy as np
 from absl import flags, logging
 
-from dsparkjax.cli_inputs import HeldOutFlags, run_main
+from held_out import HeldOutFlags  # scripts/ is on sys.path
+from dsparkjax.cli_inputs import run_main
 from dsparkjax.training import calibration
 
 _HELD_OUT = HeldOutFlags.define(calibration.PROMPTS, calibration.PROMPT_LEN, calibration.PROMPT_SEED)
