@@ -344,6 +344,16 @@ int k_split(int64_t K) {
   return s;
 }
 
+constexpr int64_t kMaxGridYZ = 65535;  // CUDA's grid y and z extents: token tiles, slots and mHC token rows go there
+
+// Calls launch(first_row, rows) over consecutive chunks of at most max_rows of a call's T rows, so that no launch's
+// grid y exceeds kMaxGridYZ. Every kernel computes a row the same way whatever the row count of its call (batch
+// invariance, tests/test_invariance.py), so the split changes no bits.
+template <class F>
+void for_row_chunks(int64_t T, int64_t max_rows, F&& launch) {
+  for (int64_t t0 = 0; t0 < T; t0 += max_rows) launch(t0, std::min(max_rows, T - t0));
+}
+
 // The error of the last launch (or of any earlier GPU call of this thread), naming the op that reports it.
 ffi::Error launch_error(const char* op) {
   const gpuError_t err = gpuGetLastError();
@@ -382,9 +392,15 @@ ffi::Error QMatmulGpu(gpuStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ff
   if (auto e = check_mma(mma, &mode); e.failure()) return e;
   if (d.T == 0 || d.N == 0) return ffi::Error::Success();
   const auto* wp = static_cast<const uint8_t*>(w.untyped_data());
-  auto* yp = static_cast<float*>(y->untyped_data());
-  if (x.element_type() == ffi::DataType::BF16) launch_qmatmul<bf16_t>(stream, d, ggml_type, mode, wp, x.untyped_data(), yp);
-  else launch_qmatmul<float>(stream, d, ggml_type, mode, wp, x.untyped_data(), yp);
+  const bool bf16 = x.element_type() == ffi::DataType::BF16;
+  for_row_chunks(d.T, kMaxGridYZ, [&](int64_t t0, int64_t rows) {
+    QDims dc = d;
+    dc.T = rows;
+    const void* xc = static_cast<const char*>(x.untyped_data()) + t0 * d.K * (bf16 ? 2 : 4);
+    float* yc = static_cast<float*>(y->untyped_data()) + t0 * d.N;
+    if (bf16) launch_qmatmul<bf16_t>(stream, dc, ggml_type, mode, wp, xc, yc);
+    else launch_qmatmul<float>(stream, dc, ggml_type, mode, wp, xc, yc);
+  });
   return launch_error("qmatmul");
 }
 
@@ -443,20 +459,28 @@ ffi::Error QMatmulIdGpu(gpuStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, 
   if (auto e = check_mma(mma, &mode); e.failure()) return e;
   if (auto e = check_ids(ids, &d); e.failure()) return e;
   if (auto e = check_groups(d, groups); e.failure()) return e;
-  if (d.T * d.k > 65535) return arg_error("qmatmul_id: T*k must be <= 65535");
   if (d.T == 0 || d.k == 0 || d.N == 0) return ffi::Error::Success();
+  // The float path's slot mode puts every (row, id) slot on grid y; a grouped call's chunks start at group rows.
+  const int64_t granule = groups > 0 ? groups : 1, max_rows = kMaxGridYZ / d.k / granule * granule;
+  if (max_rows == 0)
+    return arg_error("qmatmul_id: " + std::to_string(d.k) + " ids per row (with groups = " + std::to_string(groups) +
+                     ") exceed the GPU grid's 65535 slots of one row chunk");
   const auto* wp = static_cast<const uint8_t*>(w.untyped_data());
-  const auto* ip = static_cast<const int32_t*>(ids.untyped_data());
-  auto* yp = static_cast<float*>(y->untyped_data());
-  if (x.element_type() == ffi::DataType::BF16)
-    launch_qmatmul_id<bf16_t>(stream, d, ggml_type, mode, wp, x.untyped_data(), ip, groups, yp);
-  else launch_qmatmul_id<float>(stream, d, ggml_type, mode, wp, x.untyped_data(), ip, groups, yp);
+  const bool bf16 = x.element_type() == ffi::DataType::BF16;
+  for_row_chunks(d.T, max_rows, [&](int64_t t0, int64_t rows) {
+    QDims dc = d;
+    dc.T = rows;
+    const void* xc = static_cast<const char*>(x.untyped_data()) + t0 * d.K * (bf16 ? 2 : 4);
+    const int32_t* ic = static_cast<const int32_t*>(ids.untyped_data()) + t0 * d.k;
+    float* yc = static_cast<float*>(y->untyped_data()) + t0 * d.k * d.N;
+    if (bf16) launch_qmatmul_id<bf16_t>(stream, dc, ggml_type, mode, wp, xc, ic, groups, yc);
+    else launch_qmatmul_id<float>(stream, dc, ggml_type, mode, wp, xc, ic, groups, yc);
+  });
   return launch_error("qmatmul_id");
 }
 
 // ---- mHC ----
 constexpr int kHcThreads = 256;
-constexpr int64_t kMaxGridYZ = 65535;  // CUDA's grid y and z extents: the mHC kernels put tokens there
 static_assert(kHcMixChunk % kHcThreads == 0, "hc_mix_kernel: whole products per thread");
 // hc_collapse_kernel reads this many of a token's chunk sums at once (DS4's 16384 stream values are 8 chunks).
 constexpr int kHcChunkLoads = 8;

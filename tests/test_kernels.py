@@ -383,6 +383,36 @@ def _attention_products(x: jax.Array, keys_w: jax.Array, keys_c: jax.Array, pick
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("ggml_type", [GGMLType.F32, GGMLType.Q8_0], ids=lambda t: t.name)
+def test_gpu_calls_past_the_grid_limit_keep_each_rows_bits(gpu_device, ggml_type):
+    """Calls whose slots or token tiles exceed CUDA's 65535 grid rows (a batch-64 prefill of DS4's 64 heads in the
+    invariant step's attention products) run in row chunks: every row has the bits of a small call. MoE: 33000
+    rows of 2 ids, grouped: 3 groups of 22000 rows, dense: 524296 rows (the float path's tiles of 8 rows)."""
+    rng = np.random.default_rng(21)
+    k = 64
+    w = jax.device_put(random_packed(rng, ggml_type, (3, 4), k), gpu_device)
+    x = rng.standard_normal((524296, k)).astype(np.float32)
+    ids = rng.integers(0, 3, (33000, 2)).astype(np.int32)
+    edges = np.r_[0:8, 32760:32776, 32992:33000]  # rows around the first chunk's end (32767 rows of 2 slots)
+
+    def moe(rows: np.ndarray) -> np.ndarray:
+        xd, idd = _put(gpu_device, x[rows], ids[rows])
+        return np.asarray(_qmatmul_id(xd, w, idd, ggml_type, "ffi"))
+
+    np.testing.assert_array_equal(moe(np.arange(33000))[edges], moe(edges))
+    grouped = jax.jit(functools.partial(kernels.qmatmul_grouped, ggml_type=ggml_type, backend="ffi"))
+    xg = x[:66000].reshape(22000, 3, k)
+    got = np.asarray(grouped(jax.device_put(xg, gpu_device), w))
+    edges = np.r_[0:4, 21840:21850, 21996:22000]  # around 21845 rows of 3 groups
+    np.testing.assert_array_equal(got[edges], np.asarray(grouped(jax.device_put(xg[edges], gpu_device), w)))
+    if ggml_type == GGMLType.F32:
+        dense_rows = np.r_[0:8, 524280:524296]
+        got = np.asarray(_qmatmul(jax.device_put(x, gpu_device), w[0], ggml_type, "ffi"))
+        np.testing.assert_array_equal(got[dense_rows],
+                                      np.asarray(_qmatmul(jax.device_put(x[dense_rows], gpu_device), w[0], ggml_type, "ffi")))
+
+
+@pytest.mark.gpu
 def test_gpu_attention_products_keep_each_rows_bits(gpu_device):
     """The invariant step's attention products at DS4's attention shapes (64 heads of 512, a 128-row window, 64
     compressed entries, 512 CSA picks per row) on the GPU's float MoE path: every row has the same bits at widths
