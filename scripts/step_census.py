@@ -14,8 +14,9 @@ CPU's fusions are a proxy for the GPU's (XLA:GPU fuses more); run it on the GPU 
 
 With `--scan_layers` it also lists what the scanned bodies only move (`loop_moves`: copies, slices, fusions of
 nothing else), per repetition, by what was moved: a stacked cache (whole, or one layer of it), a stacked weight,
-or something else. On the CPU, bfloat16 caches are updated in float32 (XLA's float normalization converts the
-whole buffer around each update, unrolled or scanned); `--dtype float32` shows the updates in place.
+or something else. On the CPU, XLA updates bfloat16 caches in float32 (its float normalization): each update
+converts and rewrites its whole buffer, unrolled, and in a scanned body the whole stack, which it then copies into
+the loop's carry; `--dtype float32` shows the updates in place.
 """
 
 from __future__ import annotations
