@@ -140,19 +140,26 @@ def hc_pre(
     hc_eps: float,
     norm_eps: float,
     backend: str | None = None,
+    layer: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """HC-pre of `dsparkjax.model.hc.hc_pre` with a leading token axis, fp32 inside.
 
     streams float `[T, n, D]`, fn float `[(2+n)·n, n·D]`, base `[(2+n)·n]`, scale `[3]` ->
     (u `[T, D]`, post `[T, n]`, comb `[T, n, n]`), float32; comb rows = source stream, columns = destination.
+    With `layer` (int32 `[]`), fn is a stack `[L, (2+n)·n, n·D]` and layer `layer` of it is used: the kernel
+    reads it in place (a scanned body's layer), the reference slices it.
     """
     if streams.ndim != 3:
         raise DsparkError(f"streams must be [T, n, D], got shape {streams.shape}")
     _t, n, d = streams.shape
-    if fn.shape != ((2 + n) * n, n * d) or base.shape != ((2 + n) * n,) or scale.shape != (3,):
-        raise DsparkError(f"hc_pre: fn {fn.shape}, base {base.shape}, scale {scale.shape} do not fit n={n}, D={d}")
-    impl = ffi if _use_ffi(backend) else reference
-    return impl.hc_pre(streams, fn, base, scale, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps)
+    lead = () if layer is None else fn.shape[:1]
+    if fn.shape != (*lead, (2 + n) * n, n * d) or base.shape != ((2 + n) * n,) or scale.shape != (3,):
+        raise DsparkError(f"hc_pre: fn {fn.shape}, base {base.shape}, scale {scale.shape} do not fit n={n}, D={d}"
+                          f"{'' if layer is None else ' and a stack of layers'}")
+    hp = dict(iters=iters, hc_eps=hc_eps, norm_eps=norm_eps)
+    if _use_ffi(backend):
+        return ffi.hc_pre(streams, fn, base, scale, layer=layer, **hp)
+    return reference.hc_pre(streams, fn if layer is None else fn[layer], base, scale, **hp)
 
 
 def hc_post(

@@ -30,7 +30,7 @@ BUILD_HINT = (
 )
 
 # The handlers' calling convention this module speaks: custom_calls/ffi_common.h's kPluginAbi.
-PLUGIN_ABI = 2
+PLUGIN_ABI = 3
 
 # op name -> exported handler symbol stem; the symbol is stem + the plugin's suffix.
 _OPS = {
@@ -221,9 +221,12 @@ def hc_mix_chunks(n: int, d: int) -> int:
 
 def hc_pre(
     streams: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, *, iters: int, hc_eps: float,
-    norm_eps: float,
+    norm_eps: float, layer: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """FFI HC-pre: streams `[T, n, D]` -> (u `[T, D]`, post `[T, n]`, comb `[T, n, n]`), all float32.
+
+    fn is `[(2+n)·n, n·D]`, or with `layer` (int32 `[]`) a stack `[L, (2+n)·n, n·D]` whose layer `layer` the kernel
+    reads in place (a scanned body's, not sliced out of the stack for the call).
 
     The kernel's fourth output is its workspace, dropped here: `[T, C, (2+n)·n + 1]` float32 with
     C = ceil(n·D / hc_mix_chunk()), the GPU's per-chunk sums of each mix row and of the squares.
@@ -234,10 +237,11 @@ def hc_pre(
         jax.ShapeDtypeStruct((t, d), f32),
         jax.ShapeDtypeStruct((t, n), f32),
         jax.ShapeDtypeStruct((t, n, n), f32),
-        jax.ShapeDtypeStruct((t, hc_mix_chunks(n, d), fn.shape[0] + 1), f32),
+        jax.ShapeDtypeStruct((t, hc_mix_chunks(n, d), fn.shape[-2] + 1), f32),
     )
     u, post, comb, _ = _call(
-        "dspark_hc_pre", outs, streams, fn, base.astype(f32), scale.astype(f32),
+        "dspark_hc_pre", outs, streams, fn, jnp.asarray(0 if layer is None else layer, jnp.int32), base.astype(f32),
+        scale.astype(f32),
         iters=np.int32(iters), hc_eps=np.float32(hc_eps), norm_eps=np.float32(norm_eps),
     )
     return u, post, comb

@@ -29,7 +29,8 @@ from dsparkjax.model.hc import hc_head
 from dsparkjax.model.layers import apply_rope, fp4_indexer_sim, rope_frequencies, route
 from dsparkjax.errors import DsparkError
 from dsparkjax.model.layer_plan import Segment
-from dsparkjax.model.params import Attention, Block, Compressor, Indexer, LayerStack, MoE, TargetParams, plan_of
+from dsparkjax.model.params import (Attention, Block, Compressor, HyperConnection, Indexer, LayerStack, MoE,
+                                    TargetParams, plan_of)
 from dsparkjax.model import reduce, ring
 from dsparkjax.model.state import CacheStack, DecodeState, LayerCache
 from dsparkjax.model.reduce import StackedDense
@@ -50,22 +51,25 @@ class StepOptions:
 # StackedDense (the MoE call on the whole stack) when dense; everything else is sliced.
 _MATRICES = {Attention: ("wq_a_kv", "wq_b", "wo_a", "wo_b"), Compressor: ("wkv", "wgate"),
              Indexer: ("wq_b", "weights_proj"), MoE: ("router", "gate_up", "down", "shared_gate_up", "shared_down")}
+# Read in place (StackedDense) under every policy: the HC mixes' fn, which the mHC kernel indexes by layer itself.
+_ALWAYS_IN_PLACE = {HyperConnection: ("fn",)}
 
 
 def layer_view(tree: Any, r: jax.Array, dense_in_place: bool) -> Any:
     """Layer r of a stacked parameter tree (leaves `[L, ...]`), for a scanned body: packed weights read in place
-    (`PackedWeight.at_layer`), dense matrices too when `dense_in_place` (`StackedDense`), other leaves sliced."""
+    (`PackedWeight.at_layer`), the HC mixes' fn and, when `dense_in_place`, dense matrices too (`StackedDense`),
+    other leaves sliced."""
 
-    def walk(node: Any, matrix: bool = False) -> Any:
+    def walk(node: Any, in_place: bool = False) -> Any:
         if node is None:
             return None
         if isinstance(node, PackedWeight):
             return node.at_layer(r)
         if isinstance(node, jax.Array):
-            return StackedDense(node, r) if matrix and dense_in_place else node[r]
+            return StackedDense(node, r) if in_place else node[r]
         if isinstance(node, RowBlocks):
-            return node.replace(parts=tuple(walk(p, matrix) for p in node.parts))
-        names = _MATRICES.get(type(node), ())
+            return node.replace(parts=tuple(walk(p, in_place) for p in node.parts))
+        names = _ALWAYS_IN_PLACE.get(type(node), ()) + (_MATRICES.get(type(node), ()) if dense_in_place else ())
         return node.replace(**{f.name: walk(getattr(node, f.name), f.name in names)
                                for f in dataclasses.fields(node) if f.metadata.get("pytree_node", True)})
 
