@@ -274,7 +274,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DsparkHcPostCpu, dspark::HcPostCpu,
 DSPARK_EXPORT XLA_FFI_Error* DsparkIndexerTopkCpu(XLA_FFI_CallFrame*);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DsparkIndexerTopkCpu, dspark::IndexerTopkCpu,
                               ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>());
+                                  .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
 
 DSPARK_EXPORT XLA_FFI_Error* DsparkRmsNormCpu(XLA_FFI_CallFrame*);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DsparkRmsNormCpu, dspark::RmsNormCpu,

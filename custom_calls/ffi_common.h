@@ -169,7 +169,8 @@ inline ffi::Error check_mma(int32_t mma, MmaMode* mode) {
 }
 
 // The handlers' calling convention (arguments and attributes); ffi.py refuses a plugin of another one. Bump it
-// whenever a handler's binding changes. 2: the matmuls take the `mma` attribute. 3: HC-pre takes a layer operand.
+// whenever a handler's binding changes. 2: the matmuls take the `mma` attribute. 3: HC-pre and indexer_topk take
+// a layer operand.
 constexpr int32_t kPluginAbi = 3;
 
 }  // namespace dspark

@@ -761,7 +761,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DSPARK_GPU_SYMBOL(DsparkHcPost), dspark::HcPostGpu
 DSPARK_EXPORT XLA_FFI_Error* DSPARK_GPU_SYMBOL(DsparkIndexerTopk)(XLA_FFI_CallFrame*);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DSPARK_GPU_SYMBOL(DsparkIndexerTopk), dspark::IndexerTopkGpu,
                               DSPARK_GPU_BIND.Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>(),
+                                  .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>(),
                               {ffi::Traits::kCmdBufferCompatible});
 
 DSPARK_EXPORT XLA_FFI_Error* DSPARK_GPU_SYMBOL(DsparkRmsNorm)(XLA_FFI_CallFrame*);

@@ -182,7 +182,7 @@ def hc_post(
 
 def indexer_topk(
     queries: jax.Array, keys: jax.Array, head_weights: jax.Array, lengths: jax.Array, k: int, *,
-    backend: str | None = None,
+    backend: str | None = None, layer: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """The Lightning Indexer's top-k of the first `lengths[b, q]` entries of `keys` for each query row.
 
@@ -193,16 +193,23 @@ def indexer_topk(
 
     queries float32 `[B, Q, H, d]`, keys float32 `[B, N, d]`, head_weights float32 `[B, Q, H]`, lengths int32
     `[B, Q]` (clamped to [0, N]), k static in 1..N -> (picks int32 `[B, Q, k]`, real bool `[B, Q, k]`).
+    With `layer` (int32 `[]`), keys is a stack `[L, B, N, d]` and layer `layer` of it is used: the FFI op reads it in
+    place (a scanned body's layer), the reference slices it.
     """
-    if queries.ndim != 4 or keys.ndim != 3 or keys.shape[0] != queries.shape[0] or keys.shape[2] != queries.shape[3]:
-        raise DsparkError(f"indexer_topk: queries {queries.shape} must be [B, Q, H, d] and keys {keys.shape} [B, N, d]")
+    lead = 0 if layer is None else 1
+    if (queries.ndim != 4 or keys.ndim != 3 + lead or keys.shape[lead] != queries.shape[0]
+            or keys.shape[-1] != queries.shape[3]):
+        raise DsparkError(f"indexer_topk: queries {queries.shape} must be [B, Q, H, d] and keys {keys.shape} "
+                          f"{'[B, N, d]' if layer is None else '[L, B, N, d]'}")
     if head_weights.shape != queries.shape[:3] or lengths.shape != queries.shape[:2]:
         raise DsparkError(f"indexer_topk: head_weights {head_weights.shape} must be [B, Q, H] and lengths "
                           f"{lengths.shape} [B, Q] for queries {queries.shape}")
-    if not 1 <= k <= keys.shape[1]:
-        raise DsparkError(f"indexer_topk: k = {k} must be in 1..N = {keys.shape[1]}")
+    n = keys.shape[-2]
+    if not 1 <= k <= n:
+        raise DsparkError(f"indexer_topk: k = {k} must be in 1..N = {n}")
     f32 = jnp.float32
-    args = (queries.astype(f32), keys.astype(f32), head_weights.astype(f32),
-            jnp.clip(lengths.astype(jnp.int32), 0, keys.shape[1]))
-    impl = ffi if _use_ffi(backend) else reference
-    return impl.indexer_topk(*args, int(k))
+    queries, head_weights, keys = queries.astype(f32), head_weights.astype(f32), keys.astype(f32)
+    lengths = jnp.clip(lengths.astype(jnp.int32), 0, n)
+    if _use_ffi(backend):
+        return ffi.indexer_topk(queries, keys, head_weights, lengths, int(k), layer)
+    return reference.indexer_topk(queries, keys if layer is None else keys[layer], head_weights, lengths, int(k))

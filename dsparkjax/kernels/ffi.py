@@ -253,13 +253,15 @@ def hc_post(block_out: jax.Array, streams: jax.Array, post: jax.Array, comb: jax
     return _call("dspark_hc_post", out, block_out, streams, post.astype(jnp.float32), comb.astype(jnp.float32))
 
 
-def indexer_topk(queries: jax.Array, keys: jax.Array, head_weights: jax.Array, lengths: jax.Array, k: int
-                 ) -> tuple[jax.Array, jax.Array]:
+def indexer_topk(queries: jax.Array, keys: jax.Array, head_weights: jax.Array, lengths: jax.Array, k: int,
+                 layer: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """FFI Lightning Indexer selection (custom_calls/indexer_common.h): reads only the entries below each row's
-    length. Same arguments and results as `reference.indexer_topk`; the kernel's second output, its scores
-    workspace float32 `[B, Q, N]` (written below each row's length only), is dropped here.
+    length. Same arguments and results as `reference.indexer_topk`, but for `layer` (int32 `[]`): with it, keys is
+    a stack `[L, B, N, d]` whose layer `layer` the kernel reads in place (a scanned body's). The kernel's second
+    output, its scores workspace float32 `[B, Q, N]` (written below each row's length only), is dropped here.
     """
     b, q = lengths.shape
-    outs = (jax.ShapeDtypeStruct((b, q, k), jnp.int32), jax.ShapeDtypeStruct((b, q, keys.shape[1]), jnp.float32))
-    picks, _ = _call("dspark_indexer_topk", outs, queries, keys, head_weights, lengths)
+    outs = (jax.ShapeDtypeStruct((b, q, k), jnp.int32), jax.ShapeDtypeStruct((b, q, keys.shape[-2]), jnp.float32))
+    picks, _ = _call("dspark_indexer_topk", outs, queries, keys, jnp.asarray(0 if layer is None else layer, jnp.int32),
+                     head_weights, lengths)
     return picks, jnp.arange(k, dtype=jnp.int32) < lengths[..., None]

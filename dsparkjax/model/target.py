@@ -158,8 +158,8 @@ class TargetModel:
         head_weights = linear(x, ix.weights_proj) * (cfg.index_head_dim * cfg.index_heads) ** -0.5
         k = min(cfg.index_topk, index_keys.shape[-2])
         # ties -> lowest index (§6.3 item 4); entry w is visible from position 4(w+1)−1 on
-        picks, real = kernels.indexer_topk(iq, layer_of(index_keys, at), head_weights, (positions + 1) // CSA_RATIO,
-                                           k, backend=self.options.policy.indexer_backend)
+        picks, real = kernels.indexer_topk(iq, index_keys, head_weights, (positions + 1) // CSA_RATIO, k,
+                                           backend=self.options.policy.indexer_backend, layer=at)
         return cache.replace(index_proj=index_proj, index_keys=index_keys), picks, real
 
     def attention(self, layer: int, blk: Block, x: jax.Array, positions: jax.Array, cache: LayerCache,
