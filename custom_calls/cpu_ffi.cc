@@ -158,11 +158,13 @@ float dot8(const AT* a, const BT* b, int64_t len) {
   return tree8(acc);
 }
 
-ffi::Error HcPreCpu(ffi::AnyBuffer streams, ffi::AnyBuffer fn, ffi::AnyBuffer base, ffi::AnyBuffer scale,
-                    ffi::Result<ffi::AnyBuffer> u, ffi::Result<ffi::AnyBuffer> post, ffi::Result<ffi::AnyBuffer> comb,
-                    ffi::Result<ffi::AnyBuffer> workspace, int32_t iters, float hc_eps, float norm_eps) {
+ffi::Error HcPreCpu(ffi::AnyBuffer streams, ffi::AnyBuffer fn, ffi::AnyBuffer layer, ffi::AnyBuffer base,
+                    ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> u, ffi::Result<ffi::AnyBuffer> post,
+                    ffi::Result<ffi::AnyBuffer> comb, ffi::Result<ffi::AnyBuffer> workspace, int32_t iters,
+                    float hc_eps, float norm_eps) {
   HcDims d;
-  if (auto e = check_hc_pre(streams, fn, base, scale, *workspace, &d); e.failure()) return e;
+  if (auto e = check_hc_pre(streams, fn, layer, base, scale, *workspace, &d); e.failure()) return e;
+  const int64_t l = std::clamp<int64_t>(*static_cast<const int32_t*>(layer.untyped_data()), 0, d.L - 1);
   const int n = (int)d.n;
   const int64_t F = d.n * d.D;
   const auto* bp = static_cast<const float*>(base.untyped_data());
@@ -177,7 +179,7 @@ ffi::Error HcPreCpu(ffi::AnyBuffer streams, ffi::AnyBuffer fn, ffi::AnyBuffer ba
     const auto* xp = static_cast<const XT*>(streams.untyped_data());
     visit_float(fn.element_type(), [&](auto ft) {
       using FT = decltype(ft);
-      const auto* fp = static_cast<const FT*>(fn.untyped_data());
+      const auto* fp = static_cast<const FT*>(fn.untyped_data()) + l * d.M * F;
       for (int64_t t = 0; t < d.T; ++t) {
         const XT* xt_ = xp + t * F;
         const float rs = 1.0f / std::sqrt(dot8(xt_, xt_, F) / (float)F + norm_eps);
@@ -260,9 +262,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DsparkQMatmulIdCpu, dspark::QMatmulIdCpu,
 DSPARK_EXPORT XLA_FFI_Error* DsparkHcPreCpu(XLA_FFI_CallFrame*);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DsparkHcPreCpu, dspark::HcPreCpu,
                               ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Attr<int32_t>("iters")
-                                  .Attr<float>("hc_eps").Attr<float>("norm_eps"));
+                                  .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()
+                                  .Attr<int32_t>("iters").Attr<float>("hc_eps").Attr<float>("norm_eps"));
 
 DSPARK_EXPORT XLA_FFI_Error* DsparkHcPostCpu(XLA_FFI_CallFrame*);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DsparkHcPostCpu, dspark::HcPostCpu,
@@ -272,7 +274,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DsparkHcPostCpu, dspark::HcPostCpu,
 DSPARK_EXPORT XLA_FFI_Error* DsparkIndexerTopkCpu(XLA_FFI_CallFrame*);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DsparkIndexerTopkCpu, dspark::IndexerTopkCpu,
                               ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>());
+                                  .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
 
 DSPARK_EXPORT XLA_FFI_Error* DsparkRmsNormCpu(XLA_FFI_CallFrame*);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DsparkRmsNormCpu, dspark::RmsNormCpu,

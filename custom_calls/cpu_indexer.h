@@ -9,12 +9,14 @@
 
 namespace dspark {
 
-inline ffi::Error IndexerTopkCpu(ffi::AnyBuffer q, ffi::AnyBuffer keys, ffi::AnyBuffer w, ffi::AnyBuffer lengths,
-                                 ffi::Result<ffi::AnyBuffer> picks, ffi::Result<ffi::AnyBuffer> scores) {
+inline ffi::Error IndexerTopkCpu(ffi::AnyBuffer q, ffi::AnyBuffer keys, ffi::AnyBuffer layer, ffi::AnyBuffer w,
+                                 ffi::AnyBuffer lengths, ffi::Result<ffi::AnyBuffer> picks,
+                                 ffi::Result<ffi::AnyBuffer> scores) {
   IndexerDims d;
-  if (auto e = check_indexer(q, keys, w, lengths, *picks, *scores, &d); e.failure()) return e;
+  if (auto e = check_indexer(q, keys, layer, w, lengths, *picks, *scores, &d); e.failure()) return e;
+  const int64_t l = std::clamp<int64_t>(*static_cast<const int32_t*>(layer.untyped_data()), 0, d.L - 1);
   const auto* qp = static_cast<const float*>(q.untyped_data());
-  const auto* kp = static_cast<const float*>(keys.untyped_data());
+  const auto* kp = static_cast<const float*>(keys.untyped_data()) + l * d.B * d.N * d.dim;
   const auto* wp = static_cast<const float*>(w.untyped_data());
   const auto* lp = static_cast<const int32_t*>(lengths.untyped_data());
   auto* pp = static_cast<int32_t*>(picks->untyped_data());

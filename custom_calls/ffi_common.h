@@ -66,9 +66,10 @@ inline ffi::Error check_groups(const QDims& d, int32_t groups) {
   return ffi::Error::Success();
 }
 
-// HC sizes: streams [T, n, D] (f32 | bf16), fn [M, n*D] (f32 | f16 | bf16), base [M], scale [3].
+// HC sizes: streams [T, n, D] (f32 | bf16), fn [M, n*D] or [L, M, n*D] (f32 | f16 | bf16), base [M], scale [3].
 struct HcDims {
   int64_t T = 0, n = 0, D = 0, M = 0;
+  int64_t L = 1;  // HC-pre: the layers of a stacked fn
 };
 
 inline bool is_float_type(ffi::DataType t) {
@@ -92,13 +93,21 @@ inline ffi::Error check_hc_streams(const ffi::AnyBuffer& streams, HcDims* d) {
 constexpr int64_t kHcMixChunk = 2048;
 inline int64_t hc_mix_chunks(int64_t F) { return (F + kHcMixChunk - 1) / kHcMixChunk; }
 
-inline ffi::Error check_hc_pre(const ffi::AnyBuffer& streams, const ffi::AnyBuffer& fn, const ffi::AnyBuffer& base,
-                               const ffi::AnyBuffer& scale, const ffi::AnyBuffer& workspace, HcDims* d) {
+// HC-pre's fn is [M, n·D], or a stack [L, M, n·D] of which the call reads layer `layer` (int32 [], clamped into
+// [0, L) as XLA's dynamic-slice clamps) in place: a scanned body's layer, not sliced out for each call.
+inline ffi::Error check_hc_pre(const ffi::AnyBuffer& streams, const ffi::AnyBuffer& fn, const ffi::AnyBuffer& layer,
+                               const ffi::AnyBuffer& base, const ffi::AnyBuffer& scale,
+                               const ffi::AnyBuffer& workspace, HcDims* d) {
   if (auto e = check_hc_streams(streams, d); e.failure()) return e;
   const auto fd = fn.dimensions();
+  const size_t r = fd.size();
   d->M = (2 + d->n) * d->n;
-  if (fd.size() != 2 || fd[0] != d->M || fd[1] != d->n * d->D || !is_float_type(fn.element_type()))
-    return arg_error("fn must be float [(2+n)*n, n*D]");
+  d->L = r == 3 ? fd[0] : 1;
+  if ((r != 2 && r != 3) || d->L < 1 || fd[r - 2] != d->M || fd[r - 1] != d->n * d->D ||
+      !is_float_type(fn.element_type()))
+    return arg_error("fn must be float [(2+n)*n, n*D] or a stack of them [L, (2+n)*n, n*D]");
+  if (layer.element_type() != ffi::DataType::S32 || layer.element_count() != 1)
+    return arg_error("hc_pre layer must be int32 []");
   if (base.element_type() != ffi::DataType::F32 || (int64_t)base.element_count() != d->M) return arg_error("base must be float32 [(2+n)*n]");
   if (scale.element_type() != ffi::DataType::F32 || scale.element_count() != 3) return arg_error("scale must be float32 [3]");
   if (workspace.element_type() != ffi::DataType::F32 ||
@@ -160,8 +169,9 @@ inline ffi::Error check_mma(int32_t mma, MmaMode* mode) {
 }
 
 // The handlers' calling convention (arguments and attributes); ffi.py refuses a plugin of another one. Bump it
-// whenever a handler's binding changes. 2: the matmuls take the `mma` attribute.
-constexpr int32_t kPluginAbi = 2;
+// whenever a handler's binding changes. 2: the matmuls take the `mma` attribute. 3: HC-pre and indexer_topk take
+// a layer operand.
+constexpr int32_t kPluginAbi = 3;
 
 }  // namespace dspark
 

@@ -525,20 +525,23 @@ void launch_dependent(dim3 grid, gpuStream_t stream, A... args) {
 }
 
 // grid (M, C, T), C = hc_mix_chunks(F): chunk c's share of token t's mix row m and of its sum of squares,
-//   part[t, c, m] = Σ_{i in chunk c} flat_t[i]·fn[m, i],   part[t, c, M] = Σ_{i in chunk c} flat_t[i]²,
+//   part[t, c, m] = Σ_{i in chunk c} flat_t[i]·fn[l, m, i],   part[t, c, M] = Σ_{i in chunk c} flat_t[i]²,
+// with l = *layer clamped into [0, L) (fn a stack of L layers' matrices, check_hc_pre),
 // which hc_collapse_kernel sums over c in order. Splitting F gives DS4's T = 1 call 24·8 CTAs instead of 24 that
 // each stream a 16384-value row; the chunk is a constant, so every token's sums run in
 // the same order whatever T. Each thread's kHcMixChunk / kHcThreads products are unrolled, their loads in flight
 // together. hc_collapse_kernel may start as soon as every CTA of this kernel has started.
 template <class XT, class FT>
 __global__ void __launch_bounds__(kHcThreads) hc_mix_kernel(const XT* __restrict__ x, const FT* __restrict__ fn,
+                                                            const int32_t* __restrict__ layer, int64_t L,
                                                             float* __restrict__ part, int64_t F, int M) {
   __shared__ float scratch[kHcThreads / kLanes];
   gpu_launch_dependents();
   const int m = blockIdx.x;
   const int64_t c = blockIdx.y, t = blockIdx.z;
+  const int64_t l = *layer < 0 ? 0 : (*layer >= L ? L - 1 : *layer);
   const XT* xt = x + t * F;
-  const FT* fr = fn + (int64_t)m * F;
+  const FT* fr = fn + (l * M + m) * F;
   float dot = 0.0f, sq = 0.0f;
 #pragma unroll
   for (int k = 0; k < kHcMixChunk / kHcThreads; ++k) {
@@ -651,12 +654,12 @@ __global__ void __launch_bounds__(kHcThreads) hc_post_kernel(const FT* __restric
     out[(t * n + k) * D + d] = hc_post_elem(f + t * D, x + t * n * D, post + t * n, comb + t * n * n, n, D, k, d);
 }
 
-ffi::Error HcPreGpu(gpuStream_t stream, ffi::AnyBuffer streams, ffi::AnyBuffer fn, ffi::AnyBuffer base,
-                    ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> u, ffi::Result<ffi::AnyBuffer> post,
-                    ffi::Result<ffi::AnyBuffer> comb, ffi::Result<ffi::AnyBuffer> workspace, int32_t iters,
-                    float hc_eps, float norm_eps) {
+ffi::Error HcPreGpu(gpuStream_t stream, ffi::AnyBuffer streams, ffi::AnyBuffer fn, ffi::AnyBuffer layer,
+                    ffi::AnyBuffer base, ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> u,
+                    ffi::Result<ffi::AnyBuffer> post, ffi::Result<ffi::AnyBuffer> comb,
+                    ffi::Result<ffi::AnyBuffer> workspace, int32_t iters, float hc_eps, float norm_eps) {
   HcDims d;
-  if (auto e = check_hc_pre(streams, fn, base, scale, *workspace, &d); e.failure()) return e;
+  if (auto e = check_hc_pre(streams, fn, layer, base, scale, *workspace, &d); e.failure()) return e;
   if (d.T > kMaxGridYZ) return arg_error("hc_pre: " + std::to_string(d.T) + " token rows exceed the GPU grid's 65535");
   if (d.T == 0) return ffi::Error::Success();
   const int64_t chunks = hc_mix_chunks(d.n * d.D);
@@ -667,7 +670,8 @@ ffi::Error HcPreGpu(gpuStream_t stream, ffi::AnyBuffer streams, ffi::AnyBuffer f
     visit_float(fn.element_type(), [&](auto ft) {
       using FT = decltype(ft);
       hc_mix_kernel<XT, FT><<<dim3((unsigned)d.M, (unsigned)chunks, (unsigned)d.T), kHcThreads, 0, stream>>>(
-          xp, static_cast<const FT*>(fn.untyped_data()), part, d.n * d.D, (int)d.M);
+          xp, static_cast<const FT*>(fn.untyped_data()), static_cast<const int32_t*>(layer.untyped_data()), d.L,
+          part, d.n * d.D, (int)d.M);
     });
     visit_hc_streams((int)d.n, [&](auto n) {
       launch_dependent<hc_collapse_kernel<XT, n()>>(
@@ -767,9 +771,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DSPARK_GPU_SYMBOL(DsparkQMatmulId), dspark::QMatmu
 DSPARK_EXPORT XLA_FFI_Error* DSPARK_GPU_SYMBOL(DsparkHcPre)(XLA_FFI_CallFrame*);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DSPARK_GPU_SYMBOL(DsparkHcPre), dspark::HcPreGpu,
                               DSPARK_GPU_BIND.Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Attr<int32_t>("iters")
-                                  .Attr<float>("hc_eps").Attr<float>("norm_eps"),
+                                  .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()
+                                  .Attr<int32_t>("iters").Attr<float>("hc_eps").Attr<float>("norm_eps"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 DSPARK_EXPORT XLA_FFI_Error* DSPARK_GPU_SYMBOL(DsparkHcPost)(XLA_FFI_CallFrame*);
@@ -781,7 +785,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DSPARK_GPU_SYMBOL(DsparkHcPost), dspark::HcPostGpu
 DSPARK_EXPORT XLA_FFI_Error* DSPARK_GPU_SYMBOL(DsparkIndexerTopk)(XLA_FFI_CallFrame*);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DSPARK_GPU_SYMBOL(DsparkIndexerTopk), dspark::IndexerTopkGpu,
                               DSPARK_GPU_BIND.Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>(),
+                                  .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>(),
                               {ffi::Traits::kCmdBufferCompatible});
 
 DSPARK_EXPORT XLA_FFI_Error* DSPARK_GPU_SYMBOL(DsparkRmsNorm)(XLA_FFI_CallFrame*);

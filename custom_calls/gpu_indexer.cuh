@@ -17,9 +17,10 @@ constexpr int kIndexerSelectThreads = 512;
 constexpr int kIndexerMaxSharedBytes = 48 * 1024;  // the dynamic shared memory a launch gets without opting in
 
 __global__ void __launch_bounds__(kIndexerScoreThreads)
-    indexer_score_kernel(const float* __restrict__ q, const float* __restrict__ keys, const float* __restrict__ w,
-                         const int32_t* __restrict__ lengths, float* __restrict__ scores, int64_t Q, int64_t H,
-                         int64_t dim, int64_t N) {
+    indexer_score_kernel(const float* __restrict__ q, const float* __restrict__ keys,
+                         const int32_t* __restrict__ layer, int64_t L, const float* __restrict__ w,
+                         const int32_t* __restrict__ lengths, float* __restrict__ scores, int64_t B, int64_t Q,
+                         int64_t H, int64_t dim, int64_t N) {
   extern __shared__ __align__(16) uint8_t smem[];
   float* s_key = reinterpret_cast<float*>(smem);  // [kIndexerTile][dim + 1]: the pad spreads lanes over banks
   __shared__ float s_part[kIndexerHeadGroups][kIndexerTile];
@@ -27,7 +28,8 @@ __global__ void __launch_bounds__(kIndexerScoreThreads)
   const int64_t len = min((int64_t)max(lengths[r], 0), N);
   const float* qr = q + r * H * dim;
   const float* wr = w + r * H;
-  const float* kb = keys + (r / Q) * N * dim;
+  const int64_t l = *layer < 0 ? 0 : (*layer >= L ? L - 1 : *layer);  // clamped into the stack (check_indexer)
+  const float* kb = keys + (l * B + r / Q) * N * dim;
   const int e = threadIdx.x % kIndexerTile, g = threadIdx.x / kIndexerTile;
   const int64_t stride = dim + 1;
   for (int64_t t0 = (int64_t)blockIdx.x * kIndexerTile; t0 < len; t0 += (int64_t)gridDim.x * kIndexerTile) {
@@ -138,11 +140,11 @@ __global__ void __launch_bounds__(kIndexerSelectThreads)
   for (int64_t j = taken + t; j < k; j += blockDim.x) out[j] = (int32_t)j;
 }
 
-ffi::Error IndexerTopkGpu(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer keys, ffi::AnyBuffer w,
-                          ffi::AnyBuffer lengths, ffi::Result<ffi::AnyBuffer> picks,
+ffi::Error IndexerTopkGpu(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer keys, ffi::AnyBuffer layer,
+                          ffi::AnyBuffer w, ffi::AnyBuffer lengths, ffi::Result<ffi::AnyBuffer> picks,
                           ffi::Result<ffi::AnyBuffer> scores) {
   IndexerDims d;
-  if (auto e = check_indexer(q, keys, w, lengths, *picks, *scores, &d); e.failure()) return e;
+  if (auto e = check_indexer(q, keys, layer, w, lengths, *picks, *scores, &d); e.failure()) return e;
   const int64_t rows = d.B * d.Q;
   if (rows == 0) return ffi::Error::Success();
   const int64_t key_bytes = kIndexerTile * (d.dim + 1) * (int64_t)sizeof(float);
@@ -155,7 +157,8 @@ ffi::Error IndexerTopkGpu(gpuStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
   const auto* lp = static_cast<const int32_t*>(lengths.untyped_data());
   indexer_score_kernel<<<dim3((unsigned)ctas, (unsigned)rows), kIndexerScoreThreads, (size_t)key_bytes, stream>>>(
       static_cast<const float*>(q.untyped_data()), static_cast<const float*>(keys.untyped_data()),
-      static_cast<const float*>(w.untyped_data()), lp, sp, d.Q, d.H, d.dim, d.N);
+      static_cast<const int32_t*>(layer.untyped_data()), d.L, static_cast<const float*>(w.untyped_data()), lp, sp,
+      d.B, d.Q, d.H, d.dim, d.N);
   indexer_select_kernel<<<(unsigned)rows, kIndexerSelectThreads, (size_t)pick_bytes, stream>>>(
       sp, lp, static_cast<int32_t*>(picks->untyped_data()), d.N, d.k);
   return launch_error("indexer_topk");

@@ -51,23 +51,29 @@ DSPARK_HD uint32_t indexer_order_key(float s) {
 }
 
 
-// Sizes of an indexer_topk call: rows R = B·Q, keys [B, N, dim], heads H, k picks per row.
+// Sizes of an indexer_topk call: rows R = B·Q, keys [B, N, dim] (or L layers of them), heads H, k picks per row.
 struct IndexerDims {
-  int64_t B = 0, Q = 0, H = 0, dim = 0, N = 0, k = 0;
+  int64_t B = 0, Q = 0, H = 0, dim = 0, N = 0, k = 0, L = 1;
 };
 
-// queries [B, Q, H, dim], keys [B, N, dim], head_weights [B, Q, H] (float32), lengths [B, Q] (int32);
-// picks [B, Q, k] (int32) with 1 <= k <= N, scores [B, Q, N] (float32 workspace of the GPU's two passes).
-inline ffi::Error check_indexer(const ffi::AnyBuffer& q, const ffi::AnyBuffer& keys, const ffi::AnyBuffer& w,
-                                const ffi::AnyBuffer& lengths, const ffi::AnyBuffer& picks,
+// queries [B, Q, H, dim], keys [B, N, dim] or a stack [L, B, N, dim] of which the call reads layer `layer` (int32
+// [], clamped into [0, L) as XLA's dynamic-slice clamps) in place (a scanned body's layer, not sliced out of the
+// stack for each call), head_weights [B, Q, H] (float32), lengths [B, Q] (int32); picks [B, Q, k] (int32) with
+// 1 <= k <= N, scores [B, Q, N] (float32 workspace of the GPU's two passes).
+inline ffi::Error check_indexer(const ffi::AnyBuffer& q, const ffi::AnyBuffer& keys, const ffi::AnyBuffer& layer,
+                                const ffi::AnyBuffer& w, const ffi::AnyBuffer& lengths, const ffi::AnyBuffer& picks,
                                 const ffi::AnyBuffer& scores, IndexerDims* d) {
   auto err = [](const std::string& m) { return ffi::Error::InvalidArgument("dsparkjax: indexer_topk: " + m); };
   const auto qd = q.dimensions(), kd = keys.dimensions(), pd = picks.dimensions();
   if (q.element_type() != ffi::DataType::F32 || qd.size() != 4) return err("queries must be float32 [B, Q, H, dim]");
   d->B = qd[0], d->Q = qd[1], d->H = qd[2], d->dim = qd[3];
-  if (keys.element_type() != ffi::DataType::F32 || kd.size() != 3 || kd[0] != d->B || kd[2] != d->dim)
-    return err("keys must be float32 [B, N, dim] with the B and dim of queries");
-  d->N = kd[1];
+  const size_t r = kd.size();
+  d->L = r == 4 ? kd[0] : 1;
+  if (keys.element_type() != ffi::DataType::F32 || (r != 3 && r != 4) || d->L < 1 || kd[r - 3] != d->B ||
+      kd[r - 1] != d->dim)
+    return err("keys must be float32 [B, N, dim], or a stack of them [L, B, N, dim], with the B and dim of queries");
+  d->N = kd[r - 2];
+  if (layer.element_type() != ffi::DataType::S32 || layer.element_count() != 1) return err("layer must be int32 []");
   if (w.element_type() != ffi::DataType::F32 || (int64_t)w.element_count() != d->B * d->Q * d->H)
     return err("head_weights must be float32 [B, Q, H]");
   if (lengths.element_type() != ffi::DataType::S32 || (int64_t)lengths.element_count() != d->B * d->Q)

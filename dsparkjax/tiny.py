@@ -199,13 +199,14 @@ def random_sources(target_cfg: TargetConfig, drafter_cfg: DrafterConfig, *, seed
 
 
 def shapes_target(target_cfg: TargetConfig, drafter_cfg: DrafterConfig, dtype: Any, *,
-                  recipe: str = "published") -> Target:
+                  recipe: str = "published", scan_layers: bool = False) -> Target:
     """The target of `random_sources` with `jax.ShapeDtypeStruct` parameters: the loader run on the tensor
     table alone, nothing allocated, so its programs lower and compile at DS4's full size on any host
-    (scripts/step_census.py, scripts/startup_compile.py)."""
+    (scripts/step_census.py, scripts/startup_compile.py); `scan_layers` as `load_target`'s."""
     source, _ = random_sources(target_cfg, drafter_cfg, recipe=recipe)
     backend = kernels.default_backend()
-    params = load_target_params(ShapeSource(source.path, source.tensors), target_cfg, dtype, backend)
+    params = load_target_params(ShapeSource(source.path, source.tensors), target_cfg, dtype, backend,
+                                scan_layers=scan_layers)
     return Target(f"shapes of a random {recipe} target", target_cfg, params, dtype, True, None, backend)
 
 

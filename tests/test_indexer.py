@@ -108,6 +108,24 @@ def test_indexer_topk_batch_invariant_and_blind_past_length(device):
             np.testing.assert_array_equal(alone[0][0, 0], together[0][b, q])
 
 
+def test_indexer_topk_reads_one_layer_of_stacked_keys(device):
+    """With `layer`, the op uses that layer of a stack of keys `[L, B, N, d]` (a scanned body's, which the FFI op
+    reads in place): the picks of the call on that layer's own keys, on the kernel and on the reference. The
+    kernel clamps an index outside the stack into it, as XLA's dynamic-slice does, and never reads past it."""
+    rng = np.random.default_rng(11)
+    queries, keys, weights = integer_inputs(rng, 2, 3, 4, 8, 24, 24)
+    stack = np.stack([keys, keys[:, ::-1].copy(), -keys])
+    lengths = np.array([[5, 9, 24], [1, 12, 20]], np.int32)
+    put = lambda a: jax.device_put(np.asarray(a), device)  # noqa: E731
+    for backend, layers in (("ffi", [(0, 0), (1, 1), (2, 2), (-1, 0), (9, 2)]), ("reference", [(1, 1), (2, 2)])):
+        for layer, held in layers:
+            got = kernels.indexer_topk(put(queries), put(stack), put(weights), put(lengths), 4, backend=backend,
+                                       layer=put(np.int32(layer)))
+            want = run(device, backend, queries, stack[held], weights, lengths, 4)
+            for g, w in zip(got, want):
+                np.testing.assert_array_equal(np.asarray(g), w, err_msg=f"{backend} layer {layer}")
+
+
 def test_indexer_topk_rejects_k_outside_the_buffer():
     queries, keys, weights = np.zeros((1, 1, 2, 4), np.float32), np.zeros((1, 3, 4), np.float32), np.zeros((1, 1, 2))
     with pytest.raises(DsparkError, match="k = 4 must be in 1..N = 3"):

@@ -697,6 +697,22 @@ def test_hc_batch_invariant(device, d):
         np.testing.assert_array_equal(np.asarray(one_post)[0], full_post[i])
 
 
+@pytest.mark.parametrize("d", [96, SEVERAL_MIX_CHUNKS_D])
+def test_hc_pre_reads_one_layer_of_a_stacked_fn(device, d):
+    """With `layer`, hc_pre uses that layer of a stack of fn matrices `[L, M, n·D]` (a scanned body's, which the
+    kernel reads in place): the bits of the call on that layer's own matrix, on the kernel and on the reference. The
+    kernel clamps an index outside the stack into it, as XLA's dynamic-slice does, and never reads past it."""
+    streams, fn, base, scale = _hc_inputs(np.random.default_rng(6), 3, d=d)
+    stack = np.stack([fn, fn[::-1].copy(), 0.5 * fn])
+    for backend, layers in (("ffi", [(0, 0), (1, 1), (2, 2), (-1, 0), (7, 2)]), ("reference", [(1, 1), (2, 2)])):
+        call = jax.jit(functools.partial(kernels.hc_pre, **HC, backend=backend))
+        for layer, held in layers:
+            got = call(*_put(device, streams, stack, base, scale), layer=jax.device_put(np.int32(layer), device))
+            want = call(*_put(device, streams, stack[held], base, scale))
+            for g, w in zip(got, want):
+                np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=f"{backend} layer {layer}")
+
+
 def test_hc_pre_rejects_a_missized_workspace(cpu_device):
     """The kernels write the workspace hc_pre's caller allocates; one sized for another chunking is refused by
     name, never written past."""
@@ -707,7 +723,7 @@ def test_hc_pre_rejects_a_missized_workspace(cpu_device):
     call = functools.partial(kernels.ffi._call, "dspark_hc_pre", outs, iters=np.int32(20),
                              hc_eps=np.float32(1e-6), norm_eps=np.float32(1e-6))
     with pytest.raises(jax.errors.JaxRuntimeError, match="hc_pre workspace must be float32"):
-        jax.block_until_ready(call(*_put(cpu_device, streams, fn, base, scale)))
+        jax.block_until_ready(call(*_put(cpu_device, streams, fn, np.zeros((), np.int32), base, scale)))
 
 
 # --------------------------------------------------------------------------- RMSNorm (invariant steps)

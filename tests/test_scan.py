@@ -7,9 +7,11 @@ the pair 3-6 twice, and the capture layers 4, 5, 6 sit inside the scanned pair.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import os
+import sys
 import tempfile
 
 import jax
@@ -27,6 +29,9 @@ from dsparkjax.model.params import LayerStack
 from dsparkjax.model.state import CacheStack, commit, init_state, per_layer
 from dsparkjax.target_api import load_target
 from dsparkjax.tiny import tiny_pair
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+from step_census import loop_moves, shape_key, stacked_shapes  # noqa: E402
 
 needs_plugin = pytest.mark.skipif(not kernels.ffi.available(), reason="FFI plugin for this platform not built")
 LAYERS = 7
@@ -137,3 +142,31 @@ def test_scanned_step_refuses_what_the_unrolled_refuses():
     unrolled_state = init_state(scanned.config, 1, 64, 2, scanned.dtype)
     with pytest.raises(DsparkError, match="layer layout"):
         program.compile(scanned.params, unrolled_state, jnp.zeros((1, 1), jnp.int32))
+
+
+@pytest.mark.parametrize("kernel,invariant", [pytest.param("ffi", True, marks=needs_plugin), ("reference", False)])
+def test_scanned_body_reads_and_writes_in_place(kernel, invariant):
+    """The scanned bodies copy no cache they write (the optimized HLO's loop bodies, `step_census.loop_moves`): the
+    step's rows go into the stacked caches in place, and a layer's buffer is sliced out only where XLA's dots read
+    it whole (the reference kernels: the window, the compressed entries and the indexer's keys), one slice per
+    reading layer. A body that sliced each layer's caches out and wrote them back copies the rings too, and
+    buffers more than once. On the FFI kernels nothing of the caches is copied, nor any HC mix matrix: the mHC
+    and indexer kernels read their layer of the stacks themselves."""
+    _, scanned = targets(kernel)
+    state = init_state(scanned.config, 2, 64, 6, scanned.dtype, scanned.plan)
+    program = step_program(scanned.config, scanned.options(CAPTURE, invariant=invariant))
+    moves = loop_moves(program.lower(scanned.params, state, jnp.zeros((2, 6), jnp.int32)).compile().as_text())
+    stacks = [c for c in state.layers if isinstance(c, CacheStack)]
+    readers = collections.Counter()
+    for layer in (c for stack in stacks for c in stack.layers):
+        for name in () if kernel == "ffi" else ("index_keys", "window", "comp_kv"):
+            leaf = getattr(layer, name)
+            if leaf is not None:
+                readers[shape_key(leaf.shape[1:], leaf.dtype)] += 1
+    written = stacked_shapes(stacks)
+    moved = collections.Counter(m.key for m in moves if m.key in written)
+    assert moves and moved <= readers, (moved, readers)  # moves: the census sees the bodies' other slices
+    if kernel == "ffi":
+        fns = {shape_key(h.fn.shape[1:], h.fn.dtype) for stack in scanned.params.blocks
+               if isinstance(stack, LayerStack) for blk in stack.blocks for h in (blk.hc_attn, blk.hc_ffn)}
+        assert not [m for m in moves if m.key in fns]

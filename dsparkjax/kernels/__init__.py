@@ -140,19 +140,26 @@ def hc_pre(
     hc_eps: float,
     norm_eps: float,
     backend: str | None = None,
+    layer: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """HC-pre of `dsparkjax.model.hc.hc_pre` with a leading token axis, fp32 inside.
 
     streams float `[T, n, D]`, fn float `[(2+n)·n, n·D]`, base `[(2+n)·n]`, scale `[3]` ->
     (u `[T, D]`, post `[T, n]`, comb `[T, n, n]`), float32; comb rows = source stream, columns = destination.
+    With `layer` (int32 `[]`), fn is a stack `[L, (2+n)·n, n·D]` and layer `layer` of it is used: the kernel
+    reads it in place (a scanned body's layer), the reference slices it.
     """
     if streams.ndim != 3:
         raise DsparkError(f"streams must be [T, n, D], got shape {streams.shape}")
     _t, n, d = streams.shape
-    if fn.shape != ((2 + n) * n, n * d) or base.shape != ((2 + n) * n,) or scale.shape != (3,):
-        raise DsparkError(f"hc_pre: fn {fn.shape}, base {base.shape}, scale {scale.shape} do not fit n={n}, D={d}")
-    impl = ffi if _use_ffi(backend) else reference
-    return impl.hc_pre(streams, fn, base, scale, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps)
+    lead = () if layer is None else fn.shape[:1]
+    if fn.shape != (*lead, (2 + n) * n, n * d) or base.shape != ((2 + n) * n,) or scale.shape != (3,):
+        raise DsparkError(f"hc_pre: fn {fn.shape}, base {base.shape}, scale {scale.shape} do not fit n={n}, D={d}"
+                          f"{'' if layer is None else ' and a stack of layers'}")
+    hp = dict(iters=iters, hc_eps=hc_eps, norm_eps=norm_eps)
+    if _use_ffi(backend):
+        return ffi.hc_pre(streams, fn, base, scale, layer=layer, **hp)
+    return reference.hc_pre(streams, fn if layer is None else fn[layer], base, scale, **hp)
 
 
 def hc_post(
@@ -175,7 +182,7 @@ def hc_post(
 
 def indexer_topk(
     queries: jax.Array, keys: jax.Array, head_weights: jax.Array, lengths: jax.Array, k: int, *,
-    backend: str | None = None,
+    backend: str | None = None, layer: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """The Lightning Indexer's top-k of the first `lengths[b, q]` entries of `keys` for each query row.
 
@@ -186,16 +193,23 @@ def indexer_topk(
 
     queries float32 `[B, Q, H, d]`, keys float32 `[B, N, d]`, head_weights float32 `[B, Q, H]`, lengths int32
     `[B, Q]` (clamped to [0, N]), k static in 1..N -> (picks int32 `[B, Q, k]`, real bool `[B, Q, k]`).
+    With `layer` (int32 `[]`), keys is a stack `[L, B, N, d]` and layer `layer` of it is used: the FFI op reads it in
+    place (a scanned body's layer), the reference slices it.
     """
-    if queries.ndim != 4 or keys.ndim != 3 or keys.shape[0] != queries.shape[0] or keys.shape[2] != queries.shape[3]:
-        raise DsparkError(f"indexer_topk: queries {queries.shape} must be [B, Q, H, d] and keys {keys.shape} [B, N, d]")
+    lead = 0 if layer is None else 1
+    if (queries.ndim != 4 or keys.ndim != 3 + lead or keys.shape[lead] != queries.shape[0]
+            or keys.shape[-1] != queries.shape[3]):
+        raise DsparkError(f"indexer_topk: queries {queries.shape} must be [B, Q, H, d] and keys {keys.shape} "
+                          f"{'[B, N, d]' if layer is None else '[L, B, N, d]'}")
     if head_weights.shape != queries.shape[:3] or lengths.shape != queries.shape[:2]:
         raise DsparkError(f"indexer_topk: head_weights {head_weights.shape} must be [B, Q, H] and lengths "
                           f"{lengths.shape} [B, Q] for queries {queries.shape}")
-    if not 1 <= k <= keys.shape[1]:
-        raise DsparkError(f"indexer_topk: k = {k} must be in 1..N = {keys.shape[1]}")
+    n = keys.shape[-2]
+    if not 1 <= k <= n:
+        raise DsparkError(f"indexer_topk: k = {k} must be in 1..N = {n}")
     f32 = jnp.float32
-    args = (queries.astype(f32), keys.astype(f32), head_weights.astype(f32),
-            jnp.clip(lengths.astype(jnp.int32), 0, keys.shape[1]))
-    impl = ffi if _use_ffi(backend) else reference
-    return impl.indexer_topk(*args, int(k))
+    queries, head_weights, keys = queries.astype(f32), head_weights.astype(f32), keys.astype(f32)
+    lengths = jnp.clip(lengths.astype(jnp.int32), 0, n)
+    if _use_ffi(backend):
+        return ffi.indexer_topk(queries, keys, head_weights, lengths, int(k), layer)
+    return reference.indexer_topk(queries, keys if layer is None else keys[layer], head_weights, lengths, int(k))

@@ -30,7 +30,7 @@ BUILD_HINT = (
 )
 
 # The handlers' calling convention this module speaks: custom_calls/ffi_common.h's kPluginAbi.
-PLUGIN_ABI = 2
+PLUGIN_ABI = 3
 
 # op name -> exported handler symbol stem; the symbol is stem + the plugin's suffix.
 _OPS = {
@@ -221,9 +221,12 @@ def hc_mix_chunks(n: int, d: int) -> int:
 
 def hc_pre(
     streams: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, *, iters: int, hc_eps: float,
-    norm_eps: float,
+    norm_eps: float, layer: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """FFI HC-pre: streams `[T, n, D]` -> (u `[T, D]`, post `[T, n]`, comb `[T, n, n]`), all float32.
+
+    fn is `[(2+n)·n, n·D]`, or with `layer` (int32 `[]`) a stack `[L, (2+n)·n, n·D]` whose layer `layer` the kernel
+    reads in place (a scanned body's, not sliced out of the stack for the call).
 
     The kernel's fourth output is its workspace, dropped here: `[T, C, (2+n)·n + 1]` float32 with
     C = ceil(n·D / hc_mix_chunk()), the GPU's per-chunk sums of each mix row and of the squares.
@@ -234,10 +237,11 @@ def hc_pre(
         jax.ShapeDtypeStruct((t, d), f32),
         jax.ShapeDtypeStruct((t, n), f32),
         jax.ShapeDtypeStruct((t, n, n), f32),
-        jax.ShapeDtypeStruct((t, hc_mix_chunks(n, d), fn.shape[0] + 1), f32),
+        jax.ShapeDtypeStruct((t, hc_mix_chunks(n, d), fn.shape[-2] + 1), f32),
     )
     u, post, comb, _ = _call(
-        "dspark_hc_pre", outs, streams, fn, base.astype(f32), scale.astype(f32),
+        "dspark_hc_pre", outs, streams, fn, jnp.asarray(0 if layer is None else layer, jnp.int32), base.astype(f32),
+        scale.astype(f32),
         iters=np.int32(iters), hc_eps=np.float32(hc_eps), norm_eps=np.float32(norm_eps),
     )
     return u, post, comb
@@ -249,13 +253,15 @@ def hc_post(block_out: jax.Array, streams: jax.Array, post: jax.Array, comb: jax
     return _call("dspark_hc_post", out, block_out, streams, post.astype(jnp.float32), comb.astype(jnp.float32))
 
 
-def indexer_topk(queries: jax.Array, keys: jax.Array, head_weights: jax.Array, lengths: jax.Array, k: int
-                 ) -> tuple[jax.Array, jax.Array]:
+def indexer_topk(queries: jax.Array, keys: jax.Array, head_weights: jax.Array, lengths: jax.Array, k: int,
+                 layer: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """FFI Lightning Indexer selection (custom_calls/indexer_common.h): reads only the entries below each row's
-    length. Same arguments and results as `reference.indexer_topk`; the kernel's second output, its scores
-    workspace float32 `[B, Q, N]` (written below each row's length only), is dropped here.
+    length. Same arguments and results as `reference.indexer_topk`, but for `layer` (int32 `[]`): with it, keys is
+    a stack `[L, B, N, d]` whose layer `layer` the kernel reads in place (a scanned body's). The kernel's second
+    output, its scores workspace float32 `[B, Q, N]` (written below each row's length only), is dropped here.
     """
     b, q = lengths.shape
-    outs = (jax.ShapeDtypeStruct((b, q, k), jnp.int32), jax.ShapeDtypeStruct((b, q, keys.shape[1]), jnp.float32))
-    picks, _ = _call("dspark_indexer_topk", outs, queries, keys, head_weights, lengths)
+    outs = (jax.ShapeDtypeStruct((b, q, k), jnp.int32), jax.ShapeDtypeStruct((b, q, keys.shape[-2]), jnp.float32))
+    picks, _ = _call("dspark_indexer_topk", outs, queries, keys, jnp.asarray(0 if layer is None else layer, jnp.int32),
+                     head_weights, lengths)
     return picks, jnp.arange(k, dtype=jnp.int32) < lengths[..., None]

@@ -99,7 +99,10 @@ def _hc_ops(hc_kernel: str | None, cfg: Any) -> tuple[Callable, Callable]:
 
     def pre(x: jax.Array, h: HyperConnection) -> tuple[jax.Array, jax.Array, jax.Array]:
         lead = x.shape[:-2]
-        u, post, comb = kernels.hc_pre(x.reshape(-1, *x.shape[-2:]), h.fn, h.base, h.scale, backend=hc_kernel, **hp)
+        # a scanned body's fn (reduce.StackedDense): the kernel reads its layer of the stack in place
+        fn, layer = (h.fn.stack, h.fn.layer) if isinstance(h.fn, reduce.StackedDense) else (h.fn, None)
+        u, post, comb = kernels.hc_pre(x.reshape(-1, *x.shape[-2:]), fn, h.base, h.scale, backend=hc_kernel,
+                                       layer=layer, **hp)
         return u.reshape(*lead, -1), post.reshape(*lead, -1), comb.reshape(*lead, *comb.shape[-2:])
 
     def post_fn(f: jax.Array, x: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:

@@ -76,7 +76,8 @@ def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Array:
 
 @struct.dataclass
 class StackedDense(MoeWeight):
-    """Layer `layer` of a dense matrix stack `[L, ..., out, in]`, in a scanned step under an invariant policy.
+    """Layer `layer` of a dense matrix stack `[L, ..., out, in]` in a scanned step: dense matrices under an invariant
+    policy, and the HC mixes' fn under any (`block._hc_ops` hands the stack and the layer to the mHC kernel).
 
     The row-invariant products read dense matrices as their bytes on the FFI kernels (`kernels/rowwise.py`); a
     sliced stack would be copied for that custom call every step, so the MoE call reads the whole stack with

@@ -29,7 +29,8 @@ from dsparkjax.model.hc import hc_head
 from dsparkjax.model.layers import apply_rope, fp4_indexer_sim, rope_frequencies, route
 from dsparkjax.errors import DsparkError
 from dsparkjax.model.layer_plan import Segment
-from dsparkjax.model.params import Attention, Block, Compressor, Indexer, LayerStack, MoE, TargetParams, plan_of
+from dsparkjax.model.params import (Attention, Block, Compressor, HyperConnection, Indexer, LayerStack, MoE,
+                                    TargetParams, plan_of)
 from dsparkjax.model import reduce, ring
 from dsparkjax.model.state import CacheStack, DecodeState, LayerCache
 from dsparkjax.model.reduce import StackedDense
@@ -50,22 +51,25 @@ class StepOptions:
 # StackedDense (the MoE call on the whole stack) when dense; everything else is sliced.
 _MATRICES = {Attention: ("wq_a_kv", "wq_b", "wo_a", "wo_b"), Compressor: ("wkv", "wgate"),
              Indexer: ("wq_b", "weights_proj"), MoE: ("router", "gate_up", "down", "shared_gate_up", "shared_down")}
+# Read in place (StackedDense) under every policy: the HC mixes' fn, which the mHC kernel indexes by layer itself.
+_ALWAYS_IN_PLACE = {HyperConnection: ("fn",)}
 
 
 def layer_view(tree: Any, r: jax.Array, dense_in_place: bool) -> Any:
     """Layer r of a stacked parameter tree (leaves `[L, ...]`), for a scanned body: packed weights read in place
-    (`PackedWeight.at_layer`), dense matrices too when `dense_in_place` (`StackedDense`), other leaves sliced."""
+    (`PackedWeight.at_layer`), the HC mixes' fn and, when `dense_in_place`, dense matrices too (`StackedDense`),
+    other leaves sliced."""
 
-    def walk(node: Any, matrix: bool = False) -> Any:
+    def walk(node: Any, in_place: bool = False) -> Any:
         if node is None:
             return None
         if isinstance(node, PackedWeight):
             return node.at_layer(r)
         if isinstance(node, jax.Array):
-            return StackedDense(node, r) if matrix and dense_in_place else node[r]
+            return StackedDense(node, r) if in_place else node[r]
         if isinstance(node, RowBlocks):
-            return node.replace(parts=tuple(walk(p, matrix) for p in node.parts))
-        names = _MATRICES.get(type(node), ())
+            return node.replace(parts=tuple(walk(p, in_place) for p in node.parts))
+        names = _ALWAYS_IN_PLACE.get(type(node), ()) + (_MATRICES.get(type(node), ()) if dense_in_place else ())
         return node.replace(**{f.name: walk(getattr(node, f.name), f.name in names)
                                for f in dataclasses.fields(node) if f.metadata.get("pytree_node", True)})
 
@@ -76,8 +80,14 @@ def _batch_index(x: jax.Array) -> jax.Array:
     return jnp.arange(x.shape[0])[:, None]
 
 
+def layer_of(buffer: jax.Array, at: jax.Array | None) -> jax.Array:
+    """A cache buffer of one layer: `buffer` itself, or (`at` int32 `[]`) layer `at` of a stack `[L, ...]`, sliced
+    where it is read (a scanned body writes the stack in place and never copies a layer back)."""
+    return buffer if at is None else buffer[at]
+
+
 def compress(cp: Compressor, x: jax.Array, positions: jax.Array, ring_rows: jax.Array, ratio: int, overlap: bool,
-             eps: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+             eps: float, at: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Gated per-channel pooling of windows of `ratio` tokens (`ds4_arch.md` §3.4), for every row.
 
     Writes each row's projections `(a, s + ape[p mod m])` into the projection ring, then, for every row,
@@ -87,17 +97,18 @@ def compress(cp: Compressor, x: jax.Array, positions: jax.Array, ring_rows: jax.
     keeps those.
 
     Args:
-      x: `[B, Q, D]` normalised attention input; positions: int32 `[B, Q]`; ring_rows: `[B, R, 2, c·w]`.
+      x: `[B, Q, D]` normalised attention input; positions: int32 `[B, Q]`; ring_rows: `[B, R, 2, c·w]`, or with
+        `at` a stack `[L, B, R, 2, c·w]` whose layer `at` this is (written in place).
     Returns:
       (new ring, pooled and RMS-normalised entries float32 `[B, Q, w]`, entry index int32 `[B, Q]` which is
       `(p+1)/m − 1` at boundaries and −1 elsewhere).
     """
     values = linear(x, cp.wkv)
     scores = linear(x, cp.wgate) + cp.ape[positions % ratio]
-    ring_rows = ring.write(ring_rows, jnp.stack([values, scores], axis=2), positions)
+    ring_rows = ring.write(ring_rows, jnp.stack([values, scores], axis=2), positions, at)
     span = 2 * ratio if overlap else ratio
     window_pos = positions[..., None] + jnp.arange(1 - span, 1)  # [B, Q, span]
-    rows = ring.read(ring_rows, window_pos)  # [B, Q, span, 2, c·w]
+    rows = ring.read(ring_rows, window_pos, at)  # [B, Q, span, 2, c·w]
     if overlap:
         width = rows.shape[-1] // 2
         rows = jnp.concatenate([rows[:, :, :ratio, :, :width], rows[:, :, ratio:, :, width:]], axis=2)
@@ -109,10 +120,12 @@ def compress(cp: Compressor, x: jax.Array, positions: jax.Array, ring_rows: jax.
     return ring_rows, reduce.rms_norm(pooled, cp.norm, eps), index
 
 
-def store_entries(cache: jax.Array, entries: jax.Array, index: jax.Array) -> jax.Array:
-    """Write `entries` `[B, Q, w]` at rows `index` `[B, Q]` of `cache` `[B, N, w]`; index −1 or >= N is dropped."""
-    index = jnp.where(index < 0, cache.shape[1], index)
-    return cache.at[_batch_index(index), index].set(entries.astype(cache.dtype), mode="drop")
+def store_entries(cache: jax.Array, entries: jax.Array, index: jax.Array, at: jax.Array | None = None) -> jax.Array:
+    """Write `entries` `[B, Q, w]` at rows `index` `[B, Q]` of `cache` `[B, N, w]` (with `at`: of its layer `at` of a
+    stack `[L, B, N, w]`, in place); index −1 or >= N is dropped."""
+    lead = () if at is None else (at,)
+    index = jnp.where(index < 0, cache.shape[-2], index)
+    return cache.at[(*lead, _batch_index(index), index)].set(entries.astype(cache.dtype), mode="drop")
 
 
 class TargetModel:
@@ -127,7 +140,7 @@ class TargetModel:
     # -- attention ----------------------------------------------------------------------------------------
 
     def _indexer_select(self, ix: Indexer, x: jax.Array, qr: jax.Array, positions: jax.Array, cache: LayerCache,
-                        freqs) -> tuple[LayerCache, jax.Array, jax.Array]:
+                        freqs, at: jax.Array | None) -> tuple[LayerCache, jax.Array, jax.Array]:
         """Lightning Indexer (§3.5): update its keys, score visible compressed entries, pick the top-k.
 
         Returns (cache, selected entry ids int32 `[B, Q, k]`, whether each pick is a real candidate `[B, Q, k]`).
@@ -137,48 +150,53 @@ class TargetModel:
         iq = linear(qr, ix.wq_b).reshape(b, q, cfg.index_heads, cfg.index_head_dim)
         iq = apply_rope(iq, positions[..., None], freqs)
         index_proj, keys, index = compress(ix.compressor, x, positions, cache.index_proj, CSA_RATIO, True,
-                                           cfg.rms_norm_eps)
+                                           cfg.rms_norm_eps, at)
         keys = apply_rope(keys, jnp.maximum(index, 0) * CSA_RATIO, freqs)
         if self.options.simulate_qat:
             iq, keys = fp4_indexer_sim(iq), fp4_indexer_sim(keys)
-        index_keys = store_entries(cache.index_keys, keys, index)
+        index_keys = store_entries(cache.index_keys, keys, index, at)
         head_weights = linear(x, ix.weights_proj) * (cfg.index_head_dim * cfg.index_heads) ** -0.5
-        k = min(cfg.index_topk, index_keys.shape[1])
+        k = min(cfg.index_topk, index_keys.shape[-2])
         # ties -> lowest index (§6.3 item 4); entry w is visible from position 4(w+1)−1 on
         picks, real = kernels.indexer_topk(iq, index_keys, head_weights, (positions + 1) // CSA_RATIO, k,
-                                           backend=self.options.policy.indexer_backend)
+                                           backend=self.options.policy.indexer_backend, layer=at)
         return cache.replace(index_proj=index_proj, index_keys=index_keys), picks, real
 
-    def attention(self, layer: int, blk: Block, x: jax.Array, positions: jax.Array, cache: LayerCache
-                  ) -> tuple[jax.Array, LayerCache]:
-        """MLA with a shared K=V head over the window ring plus compressed entries, with sinks (§3.3)."""
-        cfg, at = self.cfg, blk.attn
+    def attention(self, layer: int, blk: Block, x: jax.Array, positions: jax.Array, cache: LayerCache,
+                  at: jax.Array | None = None) -> tuple[jax.Array, LayerCache]:
+        """MLA with a shared K=V head over the window ring plus compressed entries, with sinks (§3.3).
+
+        With `at` (int32 `[]`, a scanned body), `cache`'s buffers are stacks `[L, B, ...]` of which this is layer
+        `at`: the step's rows are written into them in place and each layer's buffers are read where used.
+        """
+        cfg, attn = self.cfg, blk.attn
         kind = cfg.layer_type(layer)
         freqs = self.swa_freqs if kind == "swa" else self.compressed_freqs
-        qr, heads, kv = query_heads(at, x, positions, freqs, cfg, self.options.simulate_qat)
-        window = ring.write(cache.window, kv, positions)
+        qr, heads, kv = query_heads(attn, x, positions, freqs, cfg, self.options.simulate_qat)
+        window = ring.write(cache.window, kv, positions, at)
         cache = cache.replace(window=window)
 
-        slot_pos = ring.slot_positions(positions[:, -1], window.shape[1])[:, None, :]  # [B, 1, R]
+        slot_pos = ring.slot_positions(positions[:, -1], window.shape[-2])[:, None, :]  # [B, 1, R]
         p = positions[..., None]
         in_window = (slot_pos <= p) & (slot_pos > p - cfg.sliding_window) & (slot_pos >= 0)
-        key_sets = [(window.astype(jnp.float32), in_window)]  # keys [B, K, d] shared by all rows, or [B, Q, K, d]
+        # keys [B, K, d] shared by all rows, or [B, Q, K, d]
+        key_sets = [(layer_of(window, at).astype(jnp.float32), in_window)]
         if kind != "swa":
             m = cfg.compress_ratios[layer]
             comp_proj, entries, index = compress(blk.compressor, x, positions, cache.comp_proj, m, kind == "csa",
-                                                 cfg.rms_norm_eps)
+                                                 cfg.rms_norm_eps, at)
             entries = kv_sim(apply_rope(entries, jnp.maximum(index, 0) * m, freqs), cfg.nope_dim,
                              self.options.simulate_qat)
-            comp_kv = store_entries(cache.comp_kv, entries, index)
+            comp_kv = store_entries(cache.comp_kv, entries, index, at)
             cache = cache.replace(comp_proj=comp_proj, comp_kv=comp_kv)
             if kind == "hca":
-                visible = jnp.arange(comp_kv.shape[1]) < ((positions + 1) // m)[..., None]
-                key_sets.append((comp_kv.astype(jnp.float32), visible))
+                visible = jnp.arange(comp_kv.shape[-2]) < ((positions + 1) // m)[..., None]
+                key_sets.append((layer_of(comp_kv, at).astype(jnp.float32), visible))
             else:
-                cache, picks, real = self._indexer_select(blk.indexer, x, qr, positions, cache, freqs)
-                picked = comp_kv[_batch_index(picks)[..., None], picks]  # [B, Q, k, d]
+                cache, picks, real = self._indexer_select(blk.indexer, x, qr, positions, cache, freqs, at)
+                picked = layer_of(comp_kv, at)[_batch_index(picks)[..., None], picks]  # [B, Q, k, d]
                 key_sets.append((picked.astype(jnp.float32), real))
-        return attention_output(at, attend(heads, key_sets, at.sinks, cfg.head_dim ** -0.5), positions, freqs,
+        return attention_output(attn, attend(heads, key_sets, attn.sinks, cfg.head_dim ** -0.5), positions, freqs,
                                 cfg), cache
 
     # -- MoE and block ------------------------------------------------------------------------------------
@@ -191,10 +209,10 @@ class TargetModel:
         return moe_output(mo, x, ids, weights, cfg.swiglu_limit[layer], cfg.swiglu_limit_shared[layer])
 
     def block(self, layer: int, blk: Block, streams: jax.Array, tokens: jax.Array, positions: jax.Array,
-              cache: LayerCache) -> tuple[jax.Array, LayerCache]:
-        """One layer on the HC streams `[B, Q, n, D]`."""
+              cache: LayerCache, at: jax.Array | None = None) -> tuple[jax.Array, LayerCache]:
+        """One layer on the HC streams `[B, Q, n, D]` (`at`: its index into stacked caches, as `attention`'s)."""
         return block_forward(blk, streams, self.cfg,
-                             lambda x: self.attention(layer, blk, x, positions, cache),
+                             lambda x: self.attention(layer, blk, x, positions, cache, at),
                              lambda x: self.moe(layer, blk.moe, x, tokens), self.options.policy.hc_backend)
 
     @property
@@ -239,12 +257,14 @@ class TargetModel:
         return logits, features, state.replace(layers=tuple(caches))
 
     def _layer(self, layer: int, blk: Block, cache: LayerCache, streams: jax.Array, tokens: jax.Array,
-               positions: jax.Array, capture: bool) -> tuple[jax.Array, LayerCache, jax.Array | None]:
-        """One layer; with `capture`, also the mean over its HC streams (entering or after it, per the options)."""
+               positions: jax.Array, capture: bool, at: jax.Array | None = None
+               ) -> tuple[jax.Array, LayerCache, jax.Array | None]:
+        """One layer (`at`: its index into stacked caches, as `attention`'s); with `capture`, also the mean over
+        its HC streams (entering or after it, per the options)."""
         mean = None
         if capture and self.options.capture_point == "entering":
             mean = reduce.mean(streams, axis=2)
-        streams, cache = self.block(layer, blk, streams, tokens, positions, cache)
+        streams, cache = self.block(layer, blk, streams, tokens, positions, cache, at)
         if capture and self.options.capture_point == "after":
             mean = reduce.mean(streams, axis=2)
         return streams, cache, mean
@@ -253,8 +273,9 @@ class TargetModel:
                  positions: jax.Array, captured: dict[int, jax.Array]) -> tuple[jax.Array, CacheStack]:
         """A scanned segment: one `lax.scan` over its repetitions r, the body one period of layers.
 
-        The stacked weights stay whole in the body (the FFI kernels read layer r in place, `PackedWeight.at_layer`);
-        each body position's cache is read and written back at index r of its stack. Body positions holding a
+        The stacked weights stay whole in the body (the FFI kernels read layer r in place, `PackedWeight.at_layer`),
+        and so do the stacked caches, carried through the loop: the step's rows are written into layer r of each
+        stack in place, and layer r's buffers are read where attention uses them. Body positions holding a
         capture layer in some repetition emit their mean streams for every repetition, and the captured ones are
         kept (`captured`).
         """
@@ -267,10 +288,8 @@ class TargetModel:
             stacks, means = list(stacks), {}
             for j in range(seg.period):
                 blk = layer_view(stack.blocks[j], r, self.policy.invariant)
-                cache = jax.tree.map(lambda c: c[r], stacks[j])
-                streams, cache, means[j] = self._layer(seg.start + j, blk, cache, streams, tokens, positions,
-                                                       j in capture)
-                stacks[j] = jax.tree.map(lambda c, n: c.at[r].set(n), stacks[j], cache)
+                streams, stacks[j], means[j] = self._layer(seg.start + j, blk, stacks[j], streams, tokens, positions,
+                                                           j in capture, r)
             return (streams, tuple(stacks)), {j: m for j, m in means.items() if m is not None}
 
         (streams, stacks), means = jax.lax.scan(body, (streams, caches.layers), jnp.arange(seg.count))
