@@ -44,6 +44,7 @@ want() { [[ " $SECTIONS " == *" $1 "* ]]; }
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/dsparkjax-out}"; mkdir -p "$OUT"
 source scripts/device_setup.sh
+export PYTEST_ADDOPTS="-n 0 ${PYTEST_ADDOPTS:-}"  # GPU runs in one process (pyproject asks 2 workers for CI)
 if want tests; then
 echo "== GPU kernels and packed model"
 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_packed_model.py -k "gpu or packed" \

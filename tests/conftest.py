@@ -10,6 +10,10 @@ import os
 # The tiny-model tests are bound by XLA compile time, not run time; LLVM -O0 compiles ~2.5x faster.
 # Exactness tests compare programs compiled with the same flags, so this changes no assertion.
 os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
+# pytest-xdist workers (pyproject's addopts) share one GPU where there is one: each takes memory as it needs it,
+# not JAX's default 75 % up front, which would leave the second worker none.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -54,7 +58,7 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
     suite, so each module's programs are freed when it ends (this also bounds memory); and exact mode compiles
     one program per width, enough within one module (test_spec.py) to crash it mid-module, hence the check
     after every test. It runs after the test's own teardown, so module-scoped fixtures have already let go of
-    the programs they held.
+    the programs they held. Under pytest-xdist each worker runs whole modules (`--dist loadfile`) and frees its own.
     """
     try:
         return (yield)

@@ -179,10 +179,12 @@ def test_plain_decoding_compiles_only_the_widths_it_dispatches(monkeypatch, veri
     assert dispatched <= compiled
 
 
-@pytest.mark.parametrize("mode, verify, temperature", [("ar", "exact", 0.0), ("spec", "fast", 0.0),
-                                                        ("ar", "fast", 0.8), ("spec", "exact", 0.8),
-                                                        ("spec", "lossless", 0.8)])
-def test_generate_compiles_nothing_after_its_clock_starts(monkeypatch, mode, verify, temperature):
+@pytest.mark.parametrize("mode, verify, temperature, width", [("ar", "exact", 0.0, "adaptive"),
+                                                               ("spec", "fast", 0.0, "adaptive"),
+                                                               ("ar", "fast", 0.8, "adaptive"),
+                                                               ("spec", "exact", 0.8, 3),
+                                                               ("spec", "lossless", 0.8, 3)])
+def test_generate_compiles_nothing_after_its_clock_starts(monkeypatch, mode, verify, temperature, width):
     """tok/s measures decoding: every XLA program a run dispatches (the step, the proposer's calls and the
     decode loop's own helpers) is compiled before generate reads its clock, even in a process that has not
     seen these shapes (7 sequences: a batch no other test uses).
@@ -191,7 +193,10 @@ def test_generate_compiles_nothing_after_its_clock_starts(monkeypatch, mode, ver
     of both plain and speculative decoding: `verify` changes only what the step programs compute
     (`Decoder._options`), not which programs the loop compiles and dispatches, so plain fast greedy
     decoding (the loop of the ar/exact case, the programs of the ar/fast sampled one) and speculative exact
-    greedy decoding (the loop of spec/fast, the programs of spec/exact sampled) would repeat what these check."""
+    greedy decoding (the loop of spec/fast, the programs of spec/exact sampled) would repeat what these check.
+    The width policy sets only which widths the loop dispatches (`Decoder.widths`, the same for greedy and
+    sampled runs), so the adaptive policy's six widths are checked once (spec/fast) and the sampled speculative
+    cases take one fixed width: one decode program each to compile, not six."""
     import jax
 
     import dsparkjax.decoding.generate as gen
@@ -213,7 +218,7 @@ def test_generate_compiles_nothing_after_its_clock_starts(monkeypatch, mode, ver
     jax.monitoring.register_event_duration_secs_listener(on_event)
     try:
         generate(target, random_prompts(np.random.default_rng(8), 7), drafter=drafter, mode=mode, verify=verify,
-                 temperature=temperature, max_new_tokens=5, stop_tokens=())
+                 temperature=temperature, width=width, max_new_tokens=5, stop_tokens=())
     finally:
         jax.monitoring.unregister_event_duration_listener(on_event)
     assert not late, f"{len(late)} XLA compiles after the clock started"

@@ -82,11 +82,17 @@ def _point_mass(candidates: jax.Array, vocab: int) -> jax.Array:
 
 def oracle_for(prompts: list[list[int]], reference: list[Result], vocab: int, wrong_rate: float, seed: int,
                **kwargs: Any) -> OracleProposer:
-    """An oracle proposing the `reference` run's outputs after `prompts`, wrong at `wrong_rate` of positions."""
+    """An oracle proposing the `reference` run's outputs after `prompts`, wrong at `wrong_rate` of positions.
+
+    Its arrays are padded to a power-of-two length (zeros, never wrong, beyond the 16 positions of slack after
+    the longest sequence, which no proposal reads): they are the proposer's loop state, whose shapes key the
+    compiled step programs, so runs of similar lengths share them."""
     length = max(len(p) + len(r.token_ids) for p, r in zip(prompts, reference)) + 16
-    truth = np.zeros((len(prompts), length), np.int32)
+    padded = 1 << (length - 1).bit_length()
+    truth = np.zeros((len(prompts), padded), np.int32)
     for b, (p, r) in enumerate(zip(prompts, reference)):
         seq = list(p) + r.token_ids
         truth[b, : len(seq)] = seq
-    wrong = np.random.default_rng(seed).random(truth.shape) < wrong_rate
+    wrong = np.zeros(truth.shape, bool)
+    wrong[:, :length] = np.random.default_rng(seed).random((len(prompts), length)) < wrong_rate
     return OracleProposer(truth, wrong, vocab, **kwargs)
