@@ -27,6 +27,8 @@ from pathlib import Path
 
 import jax
 
+from dsparkjax.errors import DsparkError
+
 MAX_SIZE_ENV = "DSPARKJAX_CACHE_MAX_SIZE"  # the bound: "20G", "500M", bytes; "0"/"off" for none
 # Meant to hold one build's programs (prefill, step, drafter at the widths served) and a previous build's; about a
 # ninth of the 86.7 GB weights file a user keeps on this disk anyway. Full-size entries: docs/bench.md.
@@ -56,7 +58,7 @@ _in_use: set[Path] = set()  # exported entries this process read or wrote: never
 
 def max_bytes() -> int | None:
     """The bound from $DSPARKJAX_CACHE_MAX_SIZE (binary units: 20G is 20 GiB), DEFAULT_MAX_BYTES when unset,
-    None for no bound ("0", "off", "none", "unlimited"). A value it cannot read raises ValueError naming it."""
+    None for no bound ("0", "off", "none", "unlimited"). A value it cannot read raises DsparkError naming it."""
     text = os.environ.get(MAX_SIZE_ENV)
     if text is None or not text.strip():
         return DEFAULT_MAX_BYTES
@@ -65,14 +67,14 @@ def max_bytes() -> int | None:
         return None
     size = _SIZE.fullmatch(value)
     if size is None:
-        raise ValueError(f"{MAX_SIZE_ENV}={text!r} is not a size: give bytes or a number with K, M, G or T "
+        raise DsparkError(f"{MAX_SIZE_ENV}={text!r} is not a size: give bytes or a number with K, M, G or T "
                          f"(binary units, e.g. 20G), or 0/off for no bound")
     number = float(size.group(1))
     if number == 0:
         return None
     bytes_ = int(number * _UNITS[size.group(2)])
     if bytes_ < 1:
-        raise ValueError(f"{MAX_SIZE_ENV}={text!r} is under one byte; use 0 or off for no bound")
+        raise DsparkError(f"{MAX_SIZE_ENV}={text!r} is under one byte; use 0 or off for no bound")
     return bytes_
 
 

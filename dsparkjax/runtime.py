@@ -69,7 +69,7 @@ def enable_compilation_cache(cache_dir: str | None = None) -> str | None:
     (`plugin_build_id`). $DSPARKJAX_XLA_CACHE=off turns it off; a cache the user already configured for JAX
     (JAX_COMPILATION_CACHE_DIR) is kept as it is. Its `exported/` subdirectory holds the exported programs
     (`dsparkjax.exported`), on exactly when this cache is. The whole tree is held to $DSPARKJAX_CACHE_MAX_SIZE
-    (`dsparkjax.cache_bound`, 10 GiB by default; a bad value raises ValueError), least recently used first.
+    (`dsparkjax.cache_bound`, 10 GiB by default; a bad value raises DsparkError), least recently used first.
     """
     env = os.environ.get(CACHE_ENV)
     if cache_dir is None and env is not None and env.strip().lower() in ("", "0", "off", "false", "no"):

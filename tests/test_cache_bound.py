@@ -17,6 +17,7 @@ import pytest
 from jax.experimental.compilation_cache import compilation_cache
 
 from dsparkjax import cache_bound, exported, runtime
+from dsparkjax.errors import DsparkError
 
 MiB = 1 << 20
 SLACK = 4096  # the 8-byte last-use files install writes for JAX's entries
@@ -76,7 +77,7 @@ def test_the_knob_reads_sizes_and_off(monkeypatch, text, expected):
 def test_a_bad_knob_value_stops_start_up_naming_the_variable(monkeypatch, tmp_path, isolated, text):
     monkeypatch.setenv(cache_bound.MAX_SIZE_ENV, text)
     monkeypatch.setenv("DSPARKJAX_CACHE", str(tmp_path))
-    with pytest.raises(ValueError, match=f"{cache_bound.MAX_SIZE_ENV}={text!r}"):
+    with pytest.raises(DsparkError, match=f"{cache_bound.MAX_SIZE_ENV}={text!r}"):
         runtime.enable_compilation_cache()
     assert not any(tmp_path.iterdir()) and jax.config.jax_compilation_cache_dir is None
 
