@@ -9,7 +9,9 @@ call to the same deserialized module, so cold and warm starts compile the same p
 cache hits from the second start on.
 
 The directory is `exported/` inside the persistent compilation cache's, and the cache is on exactly when that
-one is (`directory`). An entry that cannot be read back is reported and exported again.
+one is (`directory`). An entry that cannot be read back is reported and exported again; one that is gone (another
+process evicted it, `dsparkjax.cache_bound`) is a plain miss. Every entry this process reads or writes is
+marked used, so no eviction of this process removes it and others see it as recently used.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from typing import Any, Callable
 
 import jax
 from jax import export
+
+from dsparkjax import cache_bound
 
 SUBDIR = "exported"
 SUFFIX = ".jaxexp"
@@ -62,7 +66,11 @@ def call(fn: Callable[..., Any], cache_name: str, compiler_options: dict[str, An
             return fn(*args, **kwargs)
         out_tree, blob = made
         _write(path, out_tree, blob)
+        cache_bound.use(path)
+        cache_bound.sweep()  # the new entry may have taken the cache over its bound
         entry = out_tree, export.deserialize(blob)  # what a warm start loads: both compile the same module
+    else:
+        cache_bound.use(path)
     out_tree, program = entry
     return jax.tree.unflatten(out_tree, program.call(*(leaves[i] for i in dynamic)))
 

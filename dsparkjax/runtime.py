@@ -12,7 +12,8 @@ Two JAX defaults get in the way of a model that fills a GPU:
   instead. The XLA FFI custom calls keep it usable (JAX declines to cache only programs with host
   callbacks); since a cached executable names its custom calls but does not contain them, each build of the
   plugins gets its own cache directory. That cache is keyed by the lowered module, so the programs' exported
-  modules are kept beside it (`dsparkjax.exported`): a warm start neither traces nor lowers them either.
+  modules are kept beside it (`dsparkjax.exported`): a warm start neither traces nor lowers them either. The
+  whole tree is held to a size bound, evicting what was used least recently (`dsparkjax.cache_bound`).
 
 The scripts call `configure()` first thing; library users call it before their first JAX computation. Either
 way `load_target` checks the weights fit the device (`dsparkjax.footprint`) and says how to make room.
@@ -24,8 +25,11 @@ import dataclasses
 import hashlib
 import logging
 import os
+from pathlib import Path
 
 import jax
+
+from dsparkjax import cache_bound, exported
 
 MEM_FRACTION = 0.95  # of each GPU, for JAX's allocator; the rest is the CUDA context's and libraries'
 CACHE_ENV = "DSPARKJAX_XLA_CACHE"  # the cache directory; "off" (or "0", "") turns the cache off
@@ -64,19 +68,22 @@ def enable_compilation_cache(cache_dir: str | None = None) -> str | None:
     `~/.cache/dsparkjax/xla`), each under a subdirectory named for the loaded plugins' build
     (`plugin_build_id`). $DSPARKJAX_XLA_CACHE=off turns it off; a cache the user already configured for JAX
     (JAX_COMPILATION_CACHE_DIR) is kept as it is. Its `exported/` subdirectory holds the exported programs
-    (`dsparkjax.exported`), on exactly when this cache is. Entries are never evicted: delete old subdirectories
-    to reclaim their space.
+    (`dsparkjax.exported`), on exactly when this cache is. The whole tree is held to $DSPARKJAX_CACHE_MAX_SIZE
+    (`dsparkjax.cache_bound`, 10 GiB by default; a bad value raises DsparkError), least recently used first.
     """
     env = os.environ.get(CACHE_ENV)
     if cache_dir is None and env is not None and env.strip().lower() in ("", "0", "off", "false", "no"):
         return None
     if jax.config.jax_compilation_cache_dir:
         return jax.config.jax_compilation_cache_dir
+    limit = cache_bound.max_bytes()  # before anything is written: a bad value stops here
     root = cache_dir or env or os.path.join(
         os.environ.get("DSPARKJAX_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "dsparkjax")), "xla")
     path = os.path.join(root, plugin_build_id())
     os.makedirs(path, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", path)
+    cache_bound.install(None if limit is None else cache_bound.Bound(
+        Path(root), Path(path), Path(path) / exported.SUBDIR, exported.SUFFIX, limit))
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)  # no size floor, no filesystem override
     if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:  # JAX's own variable wins
         jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)

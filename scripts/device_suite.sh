@@ -258,6 +258,9 @@ for run in cold warm; do
   DSPARKJAX_CACHE=/tmp/warmstart_cache python3 scripts/startup_compile.py --config=ds4 --layers=43 \
     2>"$OUT/warmstart_$run.log" | tee "$OUT/warmstart_$run.json"
 done
+echo "   bytes on disk per entry (what DSPARKJAX_CACHE_MAX_SIZE's 10 GiB default must hold):"
+find /tmp/warmstart_cache -type f \( -name "*-cache" -o -name "*.jaxexp" \) -printf "%s %f\n" | sort -n | tail -5
+du -sb /tmp/warmstart_cache
 fi
 if want slow; then  # not measured yet: CI runs `pytest -q` without --run-slow, so this is where they run
 echo "== tests marked slow (CI skips them), on the CPU: JAX_PLATFORMS=cpu pytest --run-slow -m slow"

@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -133,6 +134,25 @@ def test_a_damaged_entry_is_exported_again_with_a_warning(tmp_path, caplog, dama
         assert str(entry) in caplog.text and fn.traces == 2
         fn.program()(x, jnp.ones(4), scale=3)  # the entry written again is whole
     assert fn.traces == 2 and entry.read_bytes() == data
+    np.testing.assert_array_equal(np.asarray(out["y"]), np.arange(4.0) * 3 + 1)
+
+
+@pytest.mark.parametrize("gone", ["entry", "directory"])
+def test_an_entry_another_process_evicted_is_a_plain_miss(tmp_path, caplog, gone):
+    """A cache sweep in another process (`dsparkjax.cache_bound`) may delete an entry, or the whole directory,
+    under this one: the next program traces and writes it again, with nothing to warn about."""
+    fn = Counted()
+    x = jnp.arange(4.0)
+    with compilation_cache_at(tmp_path) as folder:
+        fn.program()(x, jnp.ones(4), scale=3)
+        (entry,) = entries(folder)
+        if gone == "entry":
+            entry.unlink()
+        else:
+            shutil.rmtree(tmp_path)
+        with caplog.at_level(logging.WARNING):
+            out = fn.program()(x, jnp.ones(4), scale=3)
+        assert not caplog.text and fn.traces == 2 and entries(folder) == [entry]
     np.testing.assert_array_equal(np.asarray(out["y"]), np.arange(4.0) * 3 + 1)
 
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 # What the package may read: where plugins and caches live, how much device memory JAX takes.
-ALLOWED = {"DSPARKJAX_LIB_DIR", "DSPARKJAX_CACHE", "DSPARKJAX_XLA_CACHE", "XLA_PYTHON_CLIENT_MEM_FRACTION",
-           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"}
+ALLOWED = {"DSPARKJAX_LIB_DIR", "DSPARKJAX_CACHE", "DSPARKJAX_XLA_CACHE", "DSPARKJAX_CACHE_MAX_SIZE",
+           "XLA_PYTHON_CLIENT_MEM_FRACTION", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"}
 _READ = re.compile(r"os\.environ\.get\(\s*([A-Za-z_\"']\w*[\"']?)|os\.environ\[\s*([\"']?\w+[\"']?)\s*\]|"
                    r"os\.getenv\(\s*([\"']?\w+[\"']?)|([\"']\w+[\"'])\s+(?:not\s+)?in\s+os\.environ")
 
