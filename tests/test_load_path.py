@@ -73,7 +73,8 @@ def test_sparse_tiny_pair_loads_and_generates_zeros(tmp_path):
 def test_loading_keeps_no_host_copy_of_the_weights(tmp_path, workers):
     """A 2.5 GB slice of DS4's layout (3 layers, 16 experts each) loads with the process's peak resident memory
     growing by at most the weights as they sit on the (CPU) device plus the one largest tensor in flight and, with
-    workers fetching ahead, their bound (0.5 GB here, a fifth of the file): the file's pages are given back after
+    workers fetching ahead, their bound (0.5 GB here, a fifth of the file), and the runtime's own working memory
+    while loading (0.25 GB; one CI run exceeded the bound without it by 0.1 GB): the file's pages are given back after
     each tensor, and nothing is copied on the host. The previous loader, which decoded and stacked on the host
     and kept the map's pages, grew by 2.4x the weights here."""
     cfg = dataclasses.replace(deepseek_v4_flash(3), n_routed_experts=16)
@@ -101,7 +102,10 @@ print(json.dumps(dict(growth=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss 
                           timeout=300, check=False, env=ENV)
     assert proc.returncode == 0, proc.stderr[-2000:]
     m = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert m["growth"] <= m["weights"] + m["largest"] + (512 << 20 if workers > 1 else 0), m
+    # 256 MB for the runtime itself while loading (XLA's compiles of the conversion programs, allocator pools):
+    # measured growth runs weights + 0.4 to 1.16 GB from run to run, and a host copy would add 2.46 GB.
+    runtime_slack = 256 << 20
+    assert m["growth"] <= m["weights"] + m["largest"] + (512 << 20 if workers > 1 else 0) + runtime_slack, m
 
 
 def _fetch_all(source, got: list[str]) -> None:
