@@ -24,11 +24,16 @@ def max_step_of(slots: int, span: int) -> int:
     return slots - span + 1
 
 
+def stack_index(layer: jax.Array | None) -> tuple[jax.Array, ...]:
+    """The leading index of a buffer's layer: none for one layer's buffer, `(layer,)` into a stack `[L, ...]`."""
+    return () if layer is None else (layer,)
+
+
 def write(ring: jax.Array, rows: jax.Array, positions: jax.Array, layer: jax.Array | None = None) -> jax.Array:
     """Write `rows` `[B, Q, ...]` of positions int32 `[B, Q]` at slots `positions % R` of `ring` `[B, R, ...]`, or,
     given `layer` (int32 `[]`), of layer `layer` of a stack `ring` `[L, B, R, ...]` (a scatter into the stack,
     which a scanned body updates in place instead of slicing the layer out and writing it back)."""
-    lead = () if layer is None else (layer,)
+    lead = stack_index(layer)
     batch = jnp.arange(rows.shape[0])[:, None]
     return ring.at[(*lead, batch, positions % ring.shape[len(lead) + 1])].set(rows.astype(ring.dtype))
 
@@ -36,7 +41,7 @@ def write(ring: jax.Array, rows: jax.Array, positions: jax.Array, layer: jax.Arr
 def read(ring: jax.Array, positions: jax.Array, layer: jax.Array | None = None) -> jax.Array:
     """Rows of `ring` `[B, R, ...]` (with `layer`: of its layer of a stack `[L, B, R, ...]`) for positions int32
     `[B, *P]` -> `[B, *P, ...]` (any number of P axes)."""
-    lead = () if layer is None else (layer,)
+    lead = stack_index(layer)
     batch = jnp.arange(positions.shape[0]).reshape((-1,) + (1,) * (positions.ndim - 1))
     return ring[(*lead, batch, positions % ring.shape[len(lead) + 1])]
 

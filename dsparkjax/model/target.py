@@ -123,7 +123,7 @@ def compress(cp: Compressor, x: jax.Array, positions: jax.Array, ring_rows: jax.
 def store_entries(cache: jax.Array, entries: jax.Array, index: jax.Array, at: jax.Array | None = None) -> jax.Array:
     """Write `entries` `[B, Q, w]` at rows `index` `[B, Q]` of `cache` `[B, N, w]` (with `at`: of its layer `at` of a
     stack `[L, B, N, w]`, in place); index −1 or >= N is dropped."""
-    lead = () if at is None else (at,)
+    lead = ring.stack_index(at)
     index = jnp.where(index < 0, cache.shape[-2], index)
     return cache.at[(*lead, _batch_index(index), index)].set(entries.astype(cache.dtype), mode="drop")
 
