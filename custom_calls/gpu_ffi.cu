@@ -707,26 +707,38 @@ ffi::Error HcPostGpu(gpuStream_t stream, ffi::AnyBuffer block_out, ffi::AnyBuffe
 // ---- RMSNorm ----
 constexpr int kNormWarps = 8;
 
-// One warp per row: lane l sums x[l + 32j]² in j order (fp32 FMAs), then the fixed butterfly (every lane gets
-// the same bits); y = (x · r) · w with r = 1 / sqrt(Σ / K + eps). A row's arithmetic depends on K alone.
+// One CTA of kNormWarps warps per row (a warp per row left a decode step's few rows on a few SMs, each lane walking
+// K/32 values): thread i sums x[i + 256j]² in j order (fp32 FMAs), the warps reduce with the fixed butterfly, and
+// warp 0 adds the 8 warp sums in the same butterfly; y = (x · r) · w with r = 1 / sqrt(Σ / K + eps). A row's
+// arithmetic depends on K alone.
 template <class XT>
 __global__ void __launch_bounds__(kNormWarps * kLanes) rms_norm_kernel(const XT* __restrict__ x,
                                                                        const float* __restrict__ w,
-                                                                       float* __restrict__ y, int64_t T, int64_t K,
-                                                                       float eps) {
-  const int lane = threadIdx.x % kLanes;
-  const int64_t t = (int64_t)blockIdx.x * kNormWarps + threadIdx.x / kLanes;
-  if (t >= T) return;  // the whole warp: t is per warp
+                                                                       float* __restrict__ y, int64_t K, float eps) {
+  constexpr int kThreads = kNormWarps * kLanes;
+  __shared__ float warp_total[kNormWarps];
+  __shared__ float row_scale;
+  const int lane = threadIdx.x % kLanes, warp = threadIdx.x / kLanes;
+  const int64_t t = blockIdx.x;
   const XT* row = x + t * K;
   float acc = 0.0f;
-  for (int64_t i = lane; i < K; i += kLanes) {
+  for (int64_t i = threadIdx.x; i < K; i += kThreads) {
     const float v = to_float(row[i]);
     acc = __fmaf_rn(v, v, acc);
   }
   int index = 0;
-  const float ss = warp_sums<1>(&acc, lane, index);
-  const float r = __frcp_rn(__fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)K), eps)));
-  for (int64_t i = lane; i < K; i += kLanes) y[t * K + i] = __fmul_rn(__fmul_rn(to_float(row[i]), r), w[i]);
+  const float ws = warp_sums<1>(&acc, lane, index);
+  if (lane == 0) warp_total[warp] = ws;
+  __syncthreads();
+  if (warp == 0) {
+    float v = lane < kNormWarps ? warp_total[lane] : 0.0f;  // lanes past the warps add +0: no bits change
+    index = 0;
+    const float ss = warp_sums<1>(&v, lane, index);
+    if (lane == 0) row_scale = __frcp_rn(__fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)K), eps)));
+  }
+  __syncthreads();
+  const float r = row_scale;
+  for (int64_t i = threadIdx.x; i < K; i += kThreads) y[t * K + i] = __fmul_rn(__fmul_rn(to_float(row[i]), r), w[i]);
 }
 
 ffi::Error RmsNormGpu(gpuStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y,
@@ -734,13 +746,13 @@ ffi::Error RmsNormGpu(gpuStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ff
   NormDims d;
   if (auto e = check_rms_norm(x, w, *y, &d); e.failure()) return e;
   if (d.T == 0 || d.K == 0) return ffi::Error::Success();
-  const dim3 grid((unsigned)((d.T + kNormWarps - 1) / kNormWarps));
+  if (d.T > INT_MAX) return arg_error("rms_norm: more than 2^31 - 1 rows in one call");
   const auto* wp = static_cast<const float*>(w.untyped_data());
   auto* yp = static_cast<float*>(y->untyped_data());
   visit_float(x.element_type(), [&](auto xt) {
     using XT = decltype(xt);
-    rms_norm_kernel<XT><<<grid, kNormWarps * kLanes, 0, stream>>>(static_cast<const XT*>(x.untyped_data()), wp, yp,
-                                                                  d.T, d.K, eps);
+    rms_norm_kernel<XT><<<(unsigned)d.T, kNormWarps * kLanes, 0, stream>>>(static_cast<const XT*>(x.untyped_data()), wp,
+                                                                           yp, d.K, eps);
   });
   return launch_error("rms_norm");
 }
