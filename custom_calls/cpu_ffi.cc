@@ -4,6 +4,7 @@
 // 8 weights at a time, into 8 lane accumulators that are summed by a fixed tree at the end. Tokens are
 // processed in chunks of up to kCols against one decoded group of weights, but each token keeps its own
 // accumulators, so a row's bits do not depend on T or on the other tokens of the call.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -237,6 +238,40 @@ ffi::Error RmsNormCpu(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBu
   return ffi::Error::Success();
 }
 
+// Grouped float products: each output one dspark_mad chain over k in order (ffi_common.h), 8 outputs at a time so the
+// chains overlap.
+ffi::Error GroupedMatmulCpu(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer layer, ffi::Result<ffi::AnyBuffer> y,
+                            int32_t transposed) {
+  GroupedDims d;
+  if (auto e = check_grouped_matmul(x, w, layer, *y, transposed, &d); e.failure()) return e;
+  const int64_t l = std::clamp<int64_t>(*static_cast<const int32_t*>(layer.untyped_data()), 0, d.L - 1);
+  const auto* xp = static_cast<const float*>(x.untyped_data());
+  auto* yp = static_cast<float*>(y->untyped_data());
+  constexpr int kOuts = 8;
+  visit_float(w.element_type(), [&](auto wt) {
+    using WT = decltype(wt);
+    const auto* wp = static_cast<const WT*>(w.untyped_data()) + l * d.G * d.N * d.K;
+    // w[g] element (n, k): [N, K] rows, or [K, N] when transposed
+    const int64_t n_stride = transposed ? 1 : d.K, k_stride = transposed ? d.N : 1;
+    for (int64_t g = 0; g < d.G; ++g) {
+      const WT* wg = wp + g * d.N * d.K;
+      for (int64_t m = 0; m < d.M; ++m) {
+        const float* xr = xp + (g * d.M + m) * d.K;
+        float* yr = yp + (g * d.M + m) * d.N;
+        for (int64_t n0 = 0; n0 < d.N; n0 += kOuts) {
+          const int outs = (int)std::min<int64_t>(kOuts, d.N - n0);
+          float acc[kOuts] = {};
+          for (int64_t k = 0; k < d.K; ++k)
+            for (int j = 0; j < outs; ++j)
+              acc[j] = dspark_mad(xr[k], to_float(wg[(n0 + j) * n_stride + k * k_stride]), acc[j]);
+          for (int j = 0; j < outs; ++j) yr[n0 + j] = acc[j];
+        }
+      }
+    }
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace dspark
 
@@ -281,5 +316,11 @@ DSPARK_EXPORT XLA_FFI_Error* DsparkRmsNormCpu(XLA_FFI_CallFrame*);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DsparkRmsNormCpu, dspark::RmsNormCpu,
                               ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()
                                   .Attr<float>("eps"));
+
+DSPARK_EXPORT XLA_FFI_Error* DsparkGroupedMatmulCpu(XLA_FFI_CallFrame*);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DsparkGroupedMatmulCpu, dspark::GroupedMatmulCpu,
+                              ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int32_t>("transposed"));
 
 DSPARK_DEFINE_PLUGIN_INFO

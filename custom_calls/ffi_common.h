@@ -149,6 +149,43 @@ inline ffi::Error check_rms_norm(const ffi::AnyBuffer& x, const ffi::AnyBuffer& 
   return ffi::Error::Success();
 }
 
+// Grouped float products (the invariant step's attention products): x [G, M, K] (f32), w [G, N, K], or [G, K, N]
+// when `transposed` is 1 (f32 | bf16 | f16), or a stack [L, G, ...] of such of which the call reads layer `layer`
+// (int32 [], clamped into [0, L) as XLA's dynamic-slice clamps) in place, y [G, M, N] (f32):
+// y[g, m, n] = Σ_k x[g, m, k] · w[g][n, k] (or w[g][k, n]), each output one multiply-add chain over k = 0, 1, ...,
+// K - 1 (dspark_mad), so its bits depend on K alone: not on G, M, N or how a device tiles the call.
+struct GroupedDims {
+  int64_t G = 0, M = 0, N = 0, K = 0;
+  int64_t L = 1;  // the layers of a stacked w
+};
+
+inline ffi::Error check_grouped_matmul(const ffi::AnyBuffer& x, const ffi::AnyBuffer& w, const ffi::AnyBuffer& layer,
+                                       const ffi::AnyBuffer& y, int32_t transposed, GroupedDims* d) {
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 3 || x.element_type() != ffi::DataType::F32)
+    return arg_error("grouped_matmul: x must be float32 [G, M, K]");
+  if (transposed != 0 && transposed != 1)
+    return arg_error("grouped_matmul: transposed must be 0 (w [G, N, K]) or 1 (w [G, K, N]), got " +
+                     std::to_string(transposed));
+  d->G = xd[0];
+  d->M = xd[1];
+  d->K = xd[2];
+  const size_t r = wd.size(), lead = r - 3;  // lead 1: a stack of layers
+  if ((r != 3 && r != 4) || !is_float_type(w.element_type()) || wd[lead] != d->G ||
+      wd[lead + (transposed ? 1 : 2)] != d->K || (lead == 1 && wd[0] < 1))
+    return arg_error(transposed ? "grouped_matmul: w must be float [G, K, N] (or a stack [L, G, K, N]) with the G "
+                                  "and K of x"
+                                : "grouped_matmul: w must be float [G, N, K] (or a stack [L, G, N, K]) with the G "
+                                  "and K of x");
+  d->L = lead == 1 ? wd[0] : 1;
+  d->N = wd[lead + (transposed ? 2 : 1)];
+  if (layer.element_type() != ffi::DataType::S32 || layer.element_count() != 1)
+    return arg_error("grouped_matmul: layer must be int32 []");
+  if (y.element_type() != ffi::DataType::F32 || (int64_t)y.element_count() != d->G * d->M * d->N)
+    return arg_error("grouped_matmul: y must be float32 [G, M, N]");
+  return ffi::Error::Success();
+}
+
 // Calls f(T{}) with T = float, bf16_t or f16_t for the buffer's element type.
 template <class F>
 void visit_float(ffi::DataType t, F&& f) {
@@ -170,8 +207,8 @@ inline ffi::Error check_mma(int32_t mma, MmaMode* mode) {
 
 // The handlers' calling convention (arguments and attributes); ffi.py refuses a plugin of another one. Bump it
 // whenever a handler's binding changes. 2: the matmuls take the `mma` attribute. 3: HC-pre and indexer_topk take
-// a layer operand.
-constexpr int32_t kPluginAbi = 3;
+// a layer operand. 4: grouped_matmul.
+constexpr int32_t kPluginAbi = 4;
 
 }  // namespace dspark
 

@@ -757,6 +757,97 @@ ffi::Error RmsNormGpu(gpuStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ff
   return launch_error("rms_norm");
 }
 
+// ---- Grouped float products (the invariant step's attention products) ----
+// A CTA of 16 x 16 threads computes a TM x TN tile of one group's outputs, TM = 16·RM and TN = 16·RN, each thread
+// RM x RN of them (rows ty + 16i, columns tx + 16j). K is walked in kGroupedTk slices staged in shared memory as
+// float; each output is one __fmaf_rn chain over k in order (ffi_common.h), so its bits do not depend on G, M, N
+// or the tile shape. The transposed layout (w[g] as [K, N], the values of probs · V) is staged the other way.
+constexpr int kGroupedTk = 32;
+constexpr int kGroupedSide = 16;
+
+template <class WT, int RM, int RN>
+__global__ void __launch_bounds__(kGroupedSide * kGroupedSide) grouped_matmul_kernel(
+    const float* __restrict__ x, const WT* __restrict__ w, const int32_t* __restrict__ layer, int64_t L, int64_t G,
+    float* __restrict__ y, int64_t M, int64_t N, int64_t K, int64_t m_tiles, int64_t n_tiles, bool transposed) {
+  constexpr int TM = kGroupedSide * RM, TN = kGroupedSide * RN, kThreads = kGroupedSide * kGroupedSide;
+  __shared__ float xs[kGroupedTk][TM + 1];  // +1: the staging stores' stride is odd, so no bank conflicts
+  __shared__ float ws[kGroupedTk][TN + 1];
+  const int tid = threadIdx.x, tx = tid % kGroupedSide, ty = tid / kGroupedSide;
+  const int64_t tile = blockIdx.x, g = tile / (m_tiles * n_tiles);
+  const int64_t m0 = tile / n_tiles % m_tiles * TM, n0 = tile % n_tiles * TN;
+  const float* xg = x + g * M * K;
+  const int64_t l = *layer < 0 ? 0 : (*layer >= L ? L - 1 : *layer);  // w's layer of a stack (L = 1: w itself)
+  const WT* wg = w + (l * G + g) * N * K;
+  float acc[RM][RN] = {};
+  for (int64_t k0 = 0; k0 < K; k0 += kGroupedTk) {
+    const int kn = K - k0 < kGroupedTk ? (int)(K - k0) : kGroupedTk;
+    for (int e = tid; e < TM * kGroupedTk; e += kThreads) {
+      const int kk = e % kGroupedTk, mm = e / kGroupedTk;
+      xs[kk][mm] = (m0 + mm < M && kk < kn) ? xg[(m0 + mm) * K + k0 + kk] : 0.0f;
+    }
+    for (int e = tid; e < TN * kGroupedTk; e += kThreads) {
+      const int kk = transposed ? e / TN : e % kGroupedTk, nn = transposed ? e % TN : e / kGroupedTk;
+      const int64_t at = transposed ? (k0 + kk) * N + n0 + nn : (n0 + nn) * K + k0 + kk;
+      ws[kk][nn] = (n0 + nn < N && kk < kn) ? to_float(wg[at]) : 0.0f;
+    }
+    __syncthreads();
+    for (int kk = 0; kk < kn; ++kk) {  // only the real k: a padded 0·0 would turn an accumulated -0 into +0
+      float a[RM], b[RN];
+#pragma unroll
+      for (int i = 0; i < RM; ++i) a[i] = xs[kk][ty + kGroupedSide * i];
+#pragma unroll
+      for (int j = 0; j < RN; ++j) b[j] = ws[kk][tx + kGroupedSide * j];
+#pragma unroll
+      for (int i = 0; i < RM; ++i)
+#pragma unroll
+        for (int j = 0; j < RN; ++j) acc[i][j] = dspark_mad(a[i], b[j], acc[i][j]);
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int i = 0; i < RM; ++i) {
+    const int64_t m = m0 + ty + kGroupedSide * i;
+#pragma unroll
+    for (int j = 0; j < RN; ++j) {
+      const int64_t n = n0 + tx + kGroupedSide * j;
+      if (m < M && n < N) y[(g * M + m) * N + n] = acc[i][j];
+    }
+  }
+}
+
+// Tiles of 32 x 64 outputs where the call has enough of them to fill the GPU, else 16 x 32 (more CTAs for the
+// batch-1 calls); both give every output the same bits.
+constexpr int64_t kGroupedBigTilesMin = 256;
+
+template <class WT, int RM, int RN>
+void launch_grouped_matmul(gpuStream_t stream, const GroupedDims& d, const void* x, const void* w, const void* layer,
+                           void* y, bool transposed) {
+  const int64_t m_tiles = (d.M + kGroupedSide * RM - 1) / (kGroupedSide * RM);
+  const int64_t n_tiles = (d.N + kGroupedSide * RN - 1) / (kGroupedSide * RN);
+  grouped_matmul_kernel<WT, RM, RN><<<(unsigned)(d.G * m_tiles * n_tiles), kGroupedSide * kGroupedSide, 0, stream>>>(
+      static_cast<const float*>(x), static_cast<const WT*>(w), static_cast<const int32_t*>(layer), d.L, d.G,
+      static_cast<float*>(y), d.M, d.N, d.K, m_tiles, n_tiles, transposed);
+}
+
+ffi::Error GroupedMatmulGpu(gpuStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer layer,
+                            ffi::Result<ffi::AnyBuffer> y, int32_t transposed) {
+  GroupedDims d;
+  if (auto e = check_grouped_matmul(x, w, layer, *y, transposed, &d); e.failure()) return e;
+  if (d.G * d.M * d.N == 0) return ffi::Error::Success();
+  const int64_t big_tiles = d.G * ((d.M + 31) / 32) * ((d.N + 63) / 64);
+  if (big_tiles > INT_MAX) return arg_error("grouped_matmul: G x M x N too large for one launch");
+  visit_float(w.element_type(), [&](auto wt) {
+    using WT = decltype(wt);
+    if (big_tiles >= kGroupedBigTilesMin)
+      launch_grouped_matmul<WT, 2, 4>(stream, d, x.untyped_data(), w.untyped_data(), layer.untyped_data(),
+                                      y->untyped_data(), transposed);
+    else
+      launch_grouped_matmul<WT, 1, 2>(stream, d, x.untyped_data(), w.untyped_data(), layer.untyped_data(),
+                                      y->untyped_data(), transposed);
+  });
+  return launch_error("grouped_matmul");
+}
+
 }  // namespace
 }  // namespace dspark
 
@@ -805,6 +896,13 @@ DSPARK_EXPORT XLA_FFI_Error* DSPARK_GPU_SYMBOL(DsparkRmsNorm)(XLA_FFI_CallFrame*
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DSPARK_GPU_SYMBOL(DsparkRmsNorm), dspark::RmsNormGpu,
                               DSPARK_GPU_BIND.Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()
                                   .Attr<float>("eps"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+DSPARK_EXPORT XLA_FFI_Error* DSPARK_GPU_SYMBOL(DsparkGroupedMatmul)(XLA_FFI_CallFrame*);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DSPARK_GPU_SYMBOL(DsparkGroupedMatmul), dspark::GroupedMatmulGpu,
+                              DSPARK_GPU_BIND.Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int32_t>("transposed"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 DSPARK_DEFINE_PLUGIN_INFO

@@ -5,10 +5,13 @@
 #   mismatch rate and tok/s of plain vs speculative decoding in the same run.
 # Expects the gguf wheel in .whl/ (carried); results go to $OUT as they are produced. Plugins carried in
 # dsparkjax/_lib (built here with `DSPARKJAX_CUDA=ON`, sm_90) skip the 2-minute build on the device
-# (scripts/device_setup.sh). The whole suite takes
-# about 9-10 minutes (a device call's limit is 10): pass section names to run fewer, e.g.
+# (scripts/device_setup.sh). The default sections no longer fit one call: `tests` alone ran 580 s on an H100 for
+# 207 of its 211 tests (G28), so run it as its own call (a device call's limit is 10 minutes) and pass section
+# names to run fewer, e.g.
 #   bash scripts/device_suite.sh kernels generate        (the build runs unless plugins are carried)
-# Not run by default: `ds4` (DeepSeek-V4-Flash's own dims with 8 of its layers: the step at widths 1-6 at batch 1
+# Not run by default: `layers` (the GPU tests of the kernels that read one layer of a stacked operand, HC-pre, the
+# indexer's top-k and the grouped products, then tests/test_scan.py on the GPU; not measured yet), `ds4`
+# (DeepSeek-V4-Flash's own dims with 8 of its layers: the step at widths 1-6 at batch 1
 # and 8, and generation at batch 1), `step` (the compiled generation step alone, widths 1 and 6, with its trace: where a step's
 # device time goes), `hc` (the mHC custom calls' time per call, outputs saved for comparing builds), `durations` (every kernel benchmark call's kernel time alone, under Nsight Compute),
 # `profile` (one call of each of two kernels in depth, with each pipe's utilisation), `routes` (the packed
@@ -22,8 +25,9 @@
 # `train` (scripts/train_tiny.py on the GPU, bounded to about five
 # minutes: a hidden-128 pair with an F16 target of about 5 MB into $OUT/pair, the loss PNG and training_run.json
 # into $OUT; it needs no plugin, so run it alone as `DSPARKJAX_NO_BUILD=1 bash scripts/device_suite.sh train`),
-# `invmoe` (the float MoE path that runs the invariant step's attention products: its GPU bit tests, then DS4's
-# 4-layer step at widths 1 and 6, batch 1 (and 8 if time allows), invariant against XLA's; about three minutes),
+# `invmoe` (the invariant step's row-invariant products: the grouped products of attention and the float MoE path,
+# their GPU bit tests, then DS4's 4-layer step at widths 1 and 6, batch 1 (and 8 if time allows), invariant
+# against XLA's, and the batch-8 width-6 invariant step's trace; about four minutes),
 # `invariance` (issue 42, its whole acceptance in one call of at most 9.5 minutes: scripts/check_invariance.py on the
 # embedded pair and on DS4's dims with 4 layers in bf16 and f32; DS4 4-layer generation at batch 1 and 8, exact
 # plain against XLA's width-1 program and exact speculative (oracle p = 0.8, q = 6) against the old fixed-width
@@ -49,6 +53,14 @@ if want tests; then
 echo "== GPU kernels and packed model"
 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_packed_model.py -k "gpu or packed" \
   > "$OUT/tests.log" 2>&1; tail -3 "$OUT/tests.log"
+fi
+if want layers; then  # the kernels that read one layer of a stacked operand (a scanned body's), and test_scan
+echo "== layer operands: HC-pre, indexer top-k and grouped products on stacks; scanned == unrolled steps on the GPU"
+python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py -k "stacked or stack or grouped_matmul" \
+  > "$OUT/layers_kernels.log" 2>&1; tail -1 "$OUT/layers_kernels.log"
+python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_indexer.py > "$OUT/layers_indexer.log" 2>&1
+tail -1 "$OUT/layers_indexer.log"
+python3 -m pytest -q -p no:cacheprovider tests/test_scan.py > "$OUT/layers_scan.log" 2>&1; tail -1 "$OUT/layers_scan.log"
 fi
 if want policy; then  # about a minute: the part of `tests` that checks the `mma` FFI attribute
 echo "== kernel policy: the tensor-core mode as an FFI attribute (off, auto, force give the CPU model's bits)"
@@ -166,10 +178,10 @@ for path in sorted(glob.glob(f"{sys.argv[1]}/generate_*.json")):
 PY
 tar czf "$OUT/invariance.tgz" -C "$OUT" invariance && rm -rf "$INV"
 fi
-if want invmoe; then  # about three minutes, not measured yet; the batch-8 timing only while the section is under 150 s
-echo "== float MoE path (the invariant step's attention products): GPU bit tests, then DS4's step, invariant vs XLA"
+if want invmoe; then  # about five minutes (G28: 290 s); the batch-8 timing only while the section is under 150 s
+echo "== row-invariant products (attention's grouped products, float MoE): GPU bit tests, then DS4's step, invariant vs XLA"
 start=$SECONDS
-python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py -k "attention_products or qmatmul_id" \
+python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py -k "attention_products or grouped_matmul or qmatmul_id" \
   > "$OUT/invmoe_tests.log" 2>&1; tail -3 "$OUT/invmoe_tests.log"
 python3 -m pytest -q -p no:cacheprovider tests/test_invariance.py -k "rowwise or grouped_rows" \
   > "$OUT/invmoe_rowwise.log" 2>&1; tail -1 "$OUT/invmoe_rowwise.log"
@@ -181,6 +193,9 @@ if (( SECONDS - start < 150 )); then
   XLA_FLAGS= timeout 150 python3 $STEP --prompts 8 --programs invariant,fast > "$OUT/invmoe_step_b8.txt" 2>&1
   grep -E "^device|^width|Error" "$OUT/invmoe_step_b8.txt"
 fi
+XLA_FLAGS= timeout 120 python3 ${STEP/--widths 1,6/--widths 6} --prompts 8 --programs invariant --trace --top 20 \
+  > "$OUT/invmoe_trace_b8.txt" 2>&1
+grep -E "^width|^== |^   line" "$OUT/invmoe_trace_b8.txt"
 fi
 if want scan; then  # issue 38's start-up: about 4-5 minutes per layer count at 32 layers (the unrolled compiles)
 # Unrolled vs scanned layers (load_target's scan_layers) at DS4's dims, each layer count of $SCAN_LAYERS

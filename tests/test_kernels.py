@@ -367,19 +367,79 @@ def test_qmatmul_long_rows(device, ggml_type):
 # --------------------------------------------------------------------------- attention's products on the float path
 def _attention_products(x: jax.Array, keys_w: jax.Array, keys_c: jax.Array, picks: jax.Array, probs_w: jax.Array,
                         probs_c: jax.Array, probs_p: jax.Array) -> tuple[jax.Array, ...]:
-    """An invariant step's attention products (model/block.py `attend`) as `rowwise.grouped_rows` MoE calls, for
+    """An invariant step's attention products (model/block.py `attend`) as `rowwise.grouped_rows` calls, for
     B sequences of q rows of H heads: queries x `[B, q, H, d]` against each sequence's window keys `[B, 128, d]`
     and compressed entries `[B, C, d]` and each row's CSA picks `[B, q, P, d]`, and the probabilities `[B, q, H, ·]`
-    against the same keys transposed (K = V). Returns the six float32 results, heads as rows."""
+    times the same keys as values (K = V, read transposed). Returns the six float32 results, heads as rows."""
     b, q, h, d = x.shape
     seq = lambda a: a.reshape(b, q * h, a.shape[-1])  # noqa: E731 (one group per sequence)
     row = lambda a: a.reshape(b * q, h, a.shape[-1])  # noqa: E731 (one group per step row)
     per_row_keys = picks.reshape(b * q, *picks.shape[2:])
     return (rowwise.grouped_rows(seq(x), keys_w), rowwise.grouped_rows(seq(x), keys_c),
             rowwise.grouped_rows(row(x), per_row_keys),
-            rowwise.grouped_rows(seq(probs_w), jnp.swapaxes(keys_w, 1, 2)),
-            rowwise.grouped_rows(seq(probs_c), jnp.swapaxes(keys_c, 1, 2)),
-            rowwise.grouped_rows(row(probs_p), jnp.swapaxes(per_row_keys, 1, 2)))
+            rowwise.grouped_rows(seq(probs_w), keys_w, transposed=True),
+            rowwise.grouped_rows(seq(probs_c), keys_c, transposed=True),
+            rowwise.grouped_rows(row(probs_p), per_row_keys, transposed=True))
+
+
+def _sequential_products(x: np.ndarray, w: np.ndarray, transposed: bool) -> np.ndarray:
+    """The CPU kernel's arithmetic in numpy: each output `acc = acc + x[k]·w[k]` over k in order, float32 with a
+    rounding after the multiply and after the add (the host's dspark_mad). x `[G, M, K]`, w `[G, N, K]` (or
+    `[G, K, N]`) -> float32 `[G, M, N]`."""
+    w = np.asarray(w, np.float32)
+    wk = w if transposed else np.swapaxes(w, 1, 2)  # [G, K, N]
+    acc = np.zeros((x.shape[0], x.shape[1], wk.shape[2]), np.float32)
+    for k in range(x.shape[2]):
+        acc = acc + x[:, :, k, None] * wk[:, None, k, :]
+    return acc
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["keys", "values"])
+@pytest.mark.parametrize("w_dtype", [jnp.float32, jnp.bfloat16, jnp.float16], ids=lambda t: jnp.dtype(t).name)
+@settings(max_examples=6, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(g=st.integers(1, 4), m=st.integers(1, 70), n=st.integers(1, 140), k=st.integers(0, 100))
+def test_grouped_matmul_matches_the_reference_and_keeps_each_rows_bits(device, transposed, w_dtype, g, m, n, k):
+    """`ffi.grouped_matmul` (the invariant step's attention products) equals the jnp reference to fp32 rounding, its
+    first group's rows computed alone give the same bits (whatever G, M or N, tiles cut anywhere, K = 0
+    included), and on the CPU it is exactly the sequential multiply-add chain it promises."""
+    rng = np.random.default_rng(g * 1000 + m * 10 + n + k)
+    x = rng.standard_normal((g, m, k)).astype(np.float32)
+    w = np.asarray(jnp.asarray(rng.standard_normal((g, k, n) if transposed else (g, n, k)), w_dtype))
+    f = jax.jit(functools.partial(kernels.ffi.grouped_matmul, transposed=transposed))
+    got = np.asarray(f(*_put(device, x, w)))
+    want = np.asarray(kernels.reference.grouped_matmul(jnp.asarray(x), jnp.asarray(w), transposed), np.float64)
+    w64 = np.abs(np.asarray(w, np.float64))
+    assert_matmul_close(got, want, np.abs(x.astype(np.float64)) @ (w64 if transposed else np.swapaxes(w64, 1, 2)))
+    rows = slice(m // 2, m // 2 + 1)
+    np.testing.assert_array_equal(np.asarray(f(*_put(device, x[:1, rows], w[:1]))), got[:1, rows])
+    if device.platform == "cpu":
+        np.testing.assert_array_equal(got, _sequential_products(x, w, transposed))
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["keys", "values"])
+def test_grouped_matmul_reads_one_layer_of_a_stack(device, transposed):
+    """With a layer operand the call reads that layer of a stack `[L, G, ...]` in place (a scanned body's cache),
+    with the bits of a call on the layer alone; out-of-range layers clamp as XLA's dynamic-slice does."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((3, 7, 40)).astype(np.float32)
+    stack = np.asarray(jnp.asarray(rng.standard_normal((4, 3, 40, 9) if transposed else (4, 3, 9, 40)), jnp.bfloat16))
+    f = jax.jit(functools.partial(kernels.ffi.grouped_matmul, transposed=transposed))
+    xd, sd = _put(device, x, stack)
+    for layer, read in ((0, 0), (2, 2), (3, 3), (-1, 0), (9, 3)):
+        got = np.asarray(f(xd, sd, layer=jax.device_put(np.int32(layer), device)))
+        np.testing.assert_array_equal(got, np.asarray(f(xd, jax.device_put(stack[read], device))), err_msg=f"layer {layer}")
+
+
+def test_grouped_matmul_refuses_mismatched_operands(cpu_device):
+    """A w whose G or K differs from x's, or a transposed flag other than 0/1, is an error naming the op."""
+    x = jnp.zeros((2, 3, 8), jnp.float32)
+    with pytest.raises(Exception, match="grouped_matmul: w must be float \\[G, N, K\\] \\(or a stack"):
+        jax.jit(functools.partial(kernels.ffi.grouped_matmul, transposed=False))(x, jnp.zeros((2, 5, 7)))
+    with pytest.raises(Exception, match="grouped_matmul: w must be float \\[G, K, N\\]"):
+        jax.jit(functools.partial(kernels.ffi.grouped_matmul, transposed=True))(x, jnp.zeros((3, 8, 5)))
+    with pytest.raises(Exception, match="transposed must be 0"):
+        kernels.ffi._call("dspark_grouped_matmul", jax.ShapeDtypeStruct((2, 3, 5), jnp.float32), x,
+                          jnp.zeros((2, 5, 8)), jnp.int32(0), transposed=np.int32(2))
 
 
 @pytest.mark.gpu
@@ -415,10 +475,10 @@ def test_gpu_calls_past_the_grid_limit_keep_each_rows_bits(gpu_device, ggml_type
 @pytest.mark.gpu
 def test_gpu_attention_products_keep_each_rows_bits(gpu_device):
     """The invariant step's attention products at DS4's attention shapes (64 heads of 512, a 128-row window, 64
-    compressed entries, 512 CSA picks per row) on the GPU's float MoE path: every row has the same bits at widths
+    compressed entries, 512 CSA picks per row) on the GPU's grouped products: every row has the same bits at widths
     1..6 and batches 1, 3 and 8, with its sequences in reverse order, and computed alone (a one-row call, which the
-    kernel serves in slot mode where the long runs of one id take window mode), and matches numpy. The reference is
-    the device's own width-6, batch-8 call: its float path sums in another order than the CPU kernel's 8 lanes."""
+    kernel tiles smaller than the batch-8 calls), and matches numpy. The reference is the device's own width-6,
+    batch-8 call: its fused multiply-adds round once where the CPU's round twice."""
     rng = np.random.default_rng(42)
     bmax, qmax, h, d, win, comp, npick = 8, 6, 64, 512, 128, 64, 512
     f32 = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
@@ -440,11 +500,12 @@ def test_gpu_attention_products_keep_each_rows_bits(gpu_device):
     order = np.arange(bmax)[::-1]
     for i, got in enumerate(call(bmax, qmax, order)):
         np.testing.assert_array_equal(got, full[i][order], err_msg=f"product {i}, sequences reversed")
-    alone = jax.jit(lambda row, keys: rowwise.grouped_rows(row[None, None], keys[None])[0, 0])
+    alone = jax.jit(lambda row, keys, transposed: rowwise.grouped_rows(row[None, None], keys[None], transposed)[0, 0],
+                    static_argnums=2)
     for b, t, head in ((0, 0, 0), (5, 3, 17), (7, 5, 63)):
-        for i, row, keys in ((0, x[b, t, head], keys_w[b]), (2, x[b, t, head], picks[b, t]),
-                             (3, probs[0][b, t, head], keys_w[b].T)):
-            got = np.asarray(alone(*jax.device_put((row, keys), gpu_device)))
+        for i, row, keys, transposed in ((0, x[b, t, head], keys_w[b], False), (2, x[b, t, head], picks[b, t], False),
+                                         (3, probs[0][b, t, head], keys_w[b], True)):
+            got = np.asarray(alone(*jax.device_put((row, keys), gpu_device), transposed))
             np.testing.assert_array_equal(got, full[i][b, t, head], err_msg=f"row alone, product {i}")
     x64 = np.asarray(x, np.float64).reshape(bmax, qmax * h, d)
     assert_matmul_close(full[0].reshape(bmax, qmax * h, win), x64 @ np.swapaxes(keys_w, 1, 2),

@@ -30,7 +30,7 @@ BUILD_HINT = (
 )
 
 # The handlers' calling convention this module speaks: custom_calls/ffi_common.h's kPluginAbi.
-PLUGIN_ABI = 3
+PLUGIN_ABI = 4
 
 # op name -> exported handler symbol stem; the symbol is stem + the plugin's suffix.
 _OPS = {
@@ -40,6 +40,7 @@ _OPS = {
     "dspark_hc_post": "DsparkHcPost",
     "dspark_indexer_topk": "DsparkIndexerTopk",
     "dspark_rms_norm": "DsparkRmsNorm",
+    "dspark_grouped_matmul": "DsparkGroupedMatmul",
 }
 # ops of the CPU plugin alone: the model of the GPU integer path (`qmatmul_i8_model`)
 _CPU_OPS = {"dspark_qmatmul_i8_model": "DsparkQMatmulI8Model"}
@@ -195,6 +196,17 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     `(x · r) · w` with `r = 1/sqrt(Σx²/K + eps)`, Σ in an order fixed by K (batch invariant)."""
     out = jax.ShapeDtypeStruct(x.shape, jnp.float32)
     return _call("dspark_rms_norm", out, x, w, eps=np.float32(eps))
+
+
+def grouped_matmul(x: jax.Array, w: jax.Array, transposed: bool, layer: jax.Array | None = None) -> jax.Array:
+    """FFI grouped float products: x float32 `[G, M, K]`, w float `[G, N, K]` (or `[G, K, N]` when `transposed`)
+    -> float32 `[G, M, N]`, `y[g, m, n] = Σ_k x[g, m, k]·w[g][n, k]`, each output one multiply-add chain over k in
+    order: its bits depend on K alone (batch invariant). With `layer` (int32 `[]`), w is a stack `[L, G, ...]` whose
+    layer `layer` the kernel reads in place (a scanned body's cache, not sliced out of the stack for the call)."""
+    n = w.shape[-1] if transposed else w.shape[-2]
+    out = jax.ShapeDtypeStruct((*x.shape[:2], n), jnp.float32)
+    return _call("dspark_grouped_matmul", out, x, w, jnp.asarray(0 if layer is None else layer, jnp.int32),
+                 transposed=np.int32(transposed))
 
 
 def qmatmul_i8_model(x: jax.Array, w_packed: jax.Array, ggml_type: int) -> jax.Array:

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from dsparkjax.kernels import packed
 from dsparkjax.model.hc import hc_post, hc_pre
 
-__all__ = ["hc_post", "hc_pre", "indexer_topk", "qmatmul", "qmatmul_id"]
+__all__ = ["grouped_matmul", "hc_post", "hc_pre", "indexer_topk", "qmatmul", "qmatmul_id"]
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -36,6 +36,13 @@ def qmatmul_id(x: jax.Array, w_packed: jax.Array, ids: jax.Array, ggml_type: int
     w = packed.dequantize(w_packed[jnp.where(valid, ids, 0)], ggml_type, x.shape[-1])  # [T, k, N, K]
     y = jnp.einsum("tk,tjnk->tjn", x.astype(jnp.float32), w, precision=_HI)
     return jnp.where(valid[..., None], y, 0.0)
+
+
+def grouped_matmul(x: jax.Array, w: jax.Array, transposed: bool) -> jax.Array:
+    """`y[g, m, n] = Σ_k x[g, m, k] · w[g][n, k]`: x float `[G, M, K]`, w float `[G, N, K]` (or `[G, K, N]` when
+    `transposed`) -> float32 `[G, M, N]`."""
+    spec = "gmk,gkn->gmn" if transposed else "gmk,gnk->gmn"
+    return jnp.einsum(spec, x.astype(jnp.float32), w.astype(jnp.float32), precision=_HI)
 
 
 def indexer_topk(queries: jax.Array, keys: jax.Array, head_weights: jax.Array, lengths: jax.Array, k: int

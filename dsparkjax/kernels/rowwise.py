@@ -7,8 +7,8 @@ float rows as the pseudo-formats F32/F16/BF16. So every contraction of a decode 
 
 - a dense matrix is passed as its own bytes (`packed_dense`), no conversion;
 - a sum over an axis is a product with a row of ones (`row_sum`: 1·x is exact, so only the order rounds);
-- products whose "weights" differ per sequence or per row (attention keys) are the MoE call, each row
-  choosing the matrix of its group (`grouped_rows`);
+- products whose "weights" differ per sequence or per row (attention's keys and values) are the grouped-product
+  call, one multiply-add chain per output (`grouped_rows`);
 - RMSNorm is its own call (`rms_norm`): the sum of squares, the scale and the weight in one launch.
 
 K is padded with zeros to the pseudo-formats' block of 8 (adding 0·x changes nothing). Everything here is
@@ -63,14 +63,17 @@ def matmul_id(x: jax.Array, w: jax.Array, ids: jax.Array, groups: int = 0) -> ja
     return ffi.qmatmul_id(_padded(x.astype(w.dtype)), packed, ids.astype(jnp.int32), ggml_type, groups, 1)
 
 
-def grouped_rows(x: jax.Array, w: jax.Array) -> jax.Array:
-    """Per-group products `y[g, m] = x[g, m]·w[g]ᵀ`: x `[G, M, K]`, w `[G, N, K]` -> float32 `[G, M, N]`.
+def grouped_rows(x: jax.Array, w: jax.Array, transposed: bool = False, layer: jax.Array | None = None) -> jax.Array:
+    """Per-group products `y[g, m] = x[g, m]·w[g]ᵀ`: x `[G, M, K]` (as float32), w float `[G, N, K]`, or `[G, K, N]`
+    when `transposed` (attention's values, read in place), or with `layer` (int32 `[]`) a stack `[L, G, ...]` of
+    which layer `layer` is read in place -> float32 `[G, M, N]`.
 
-    One MoE call in which every row of group g picks matrix g, so no row's order depends on G or M.
+    One grouped-product call (`ffi.grouped_matmul`): each output is a multiply-add chain over K in order, so no
+    row's bits depend on G, M or N.
     """
-    g, m, k = x.shape
-    ids = jnp.repeat(jnp.arange(g, dtype=jnp.int32), m)[:, None]
-    return matmul_id(x.reshape(g * m, k), w, ids).reshape(g, m, -1)
+    if jnp.dtype(w.dtype) not in DENSE_TYPES:
+        raise DsparkError(f"row-invariant products take float32, float16 or bfloat16 matrices, got {w.dtype}")
+    return ffi.grouped_matmul(x.astype(jnp.float32), w, transposed, layer)
 
 
 def row_sum(x: jax.Array) -> jax.Array:

@@ -114,32 +114,34 @@ def _hc_ops(hc_kernel: str | None, cfg: Any) -> tuple[Callable, Callable]:
     return pre, post_fn
 
 
-def attend(heads: jax.Array, key_sets: list[tuple[jax.Array, jax.Array]], sinks: jax.Array | None, scale: float
+def attend(heads: jax.Array, key_sets: list[tuple[reduce.Dense, jax.Array]], sinks: jax.Array | None, scale: float
            ) -> jax.Array:
     """One sink softmax over several key sets (K = V), e.g. window rows + compressed entries.
 
     Args:
-      heads: float32 `[B, Q, H, d]` queries; key_sets: (keys `[B, K, d]` shared by every row or `[B, Q, K, d]`
-        per row, valid bool `[B, Q, K]`); sinks: `[H]` or None.
+      heads: float32 `[B, Q, H, d]` queries; key_sets: (keys `[B, K, d]` shared by every row (float, or a
+        StackedDense layer of a scanned body's cache) or `[B, Q, K, d]` per row, valid bool `[B, Q, K]`); sinks:
+        `[H]` or None.
     Returns:
       float32 `[B, Q, H, d]`.
     """
     b, q, h, d = heads.shape
 
-    def per_group(x: jax.Array, keys: jax.Array) -> jax.Array:
-        """x `[B, Q, H, ·]` against keys shared by a sequence's rows `[B, N, ·]` or per row `[B, Q, N, ·]`."""
-        if keys.ndim == 3:
-            return reduce.grouped_contract(x.reshape(b, q * h, -1), keys).reshape(b, q, h, -1)
-        return reduce.grouped_contract(x.reshape(b * q, h, -1), keys.reshape(b * q, *keys.shape[2:])
+    def per_group(x: jax.Array, keys: reduce.Dense, values: bool) -> jax.Array:
+        """x `[B, Q, H, ·]` against keys shared by a sequence's rows `[B, N, d]` (or a stacked cache's layer of
+        them) or per row `[B, Q, N, d]`: scores x·keysᵀ, or with `values` the weighted sum x·keys (K = V)."""
+        if len(keys.shape) == 3:
+            return reduce.grouped_contract(x.reshape(b, q * h, -1), keys, values).reshape(b, q, h, -1)
+        return reduce.grouped_contract(x.reshape(b * q, h, -1), keys.reshape(b * q, *keys.shape[2:]), values
                                        ).reshape(b, q, h, -1)
 
-    scores = [per_group(heads, keys) * scale for keys, _ in key_sets]
+    scores = [per_group(heads, keys, values=False) * scale for keys, _ in key_sets]
     valid = jnp.concatenate([v[:, :, None, :] for _, v in key_sets], axis=-1)
     probs = sink_attention(jnp.concatenate(scores, axis=-1), sinks, valid)
     out, start = None, 0
     for keys, _ in key_sets:
         width = keys.shape[-2]
-        part = per_group(probs[..., start : start + width], jnp.swapaxes(keys, -1, -2))
+        part = per_group(probs[..., start : start + width], keys, values=True)
         out, start = part if out is None else out + part, start + width
     return out
 

@@ -85,9 +85,9 @@ class DrafterModel:
 
         def attention(x: jax.Array) -> tuple[jax.Array, None]:
             _, heads, block_kv = query_heads(stage.attn, x, positions, self.freqs, cfg, self.simulate_qat)
-            block_kv = block_kv.astype(context.dtype).astype(jnp.float32)
+            block_kv = block_kv.astype(context.dtype)  # the block's keys as the context ring stores them
             all_rows = jnp.ones(positions.shape + positions.shape[1:], bool)
-            key_sets = [(context.astype(jnp.float32), context_valid), (block_kv, all_rows)]
+            key_sets = [(context, context_valid), (block_kv, all_rows)]  # read in their dtype (`attend` upcasts)
             out = attend(heads, key_sets, stage.attn.sinks, cfg.head_dim ** -0.5)
             return attention_output(stage.attn, out, positions, self.freqs, cfg), None
 

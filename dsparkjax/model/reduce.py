@@ -77,7 +77,8 @@ def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Array:
 @struct.dataclass
 class StackedDense(MoeWeight):
     """Layer `layer` of a dense matrix stack `[L, ..., out, in]` in a scanned step: dense matrices under an invariant
-    policy, and the HC mixes' fn under any (`block._hc_ops` hands the stack and the layer to the mHC kernel).
+    policy, the HC mixes' fn under any (`block._hc_ops` hands the stack and the layer to the mHC kernel), and a
+    stacked cache's keys for attention's products (`grouped_contract` hands them to the grouped-product call).
 
     The row-invariant products read dense matrices as their bytes on the FFI kernels (`kernels/rowwise.py`); a
     sliced stack would be copied for that custom call every step, so the MoE call reads the whole stack with
@@ -172,9 +173,15 @@ def contract(x: jax.Array, w: Dense) -> jax.Array:
     return dense_linear(x.astype(jnp.float32), w if isinstance(w, StackedDense) else w.astype(jnp.float32))
 
 
-def grouped_contract(x: jax.Array, w: jax.Array) -> jax.Array:
-    """Per-group `y[g, m] = x[g, m]·w[g]ᵀ` in float32: x `[G, M, K]`, w `[G, N, K]` -> `[G, M, N]`."""
-    if not invariant():
-        return jnp.einsum("gmk,gnk->gmn", x.astype(jnp.float32), w.astype(jnp.float32),
-                          precision=jax.lax.Precision.HIGHEST)
-    return rowwise.grouped_rows(x.astype(jnp.float32), w.astype(jnp.float32))
+def grouped_contract(x: jax.Array, w: Dense, transposed: bool = False) -> jax.Array:
+    """Per-group `y[g, m] = x[g, m]·w[g]ᵀ` in float32: x `[G, M, K]`, w `[G, N, K]`, or `[G, K, N]` when
+    `transposed` (attention's values: the keys, read in place), or a StackedDense layer of either (a scanned
+    body's cache, which the invariant call reads in place) -> `[G, M, N]`."""
+    if invariant():
+        if isinstance(w, StackedDense):
+            return rowwise.grouped_rows(x, w.stack, transposed, w.layer)
+        return rowwise.grouped_rows(x, w, transposed)
+    if isinstance(w, StackedDense):
+        w = w.value()
+    spec = "gmk,gkn->gmn" if transposed else "gmk,gnk->gmn"
+    return jnp.einsum(spec, x.astype(jnp.float32), w.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)

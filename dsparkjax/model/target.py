@@ -86,6 +86,12 @@ def layer_of(buffer: jax.Array, at: jax.Array | None) -> jax.Array:
     return buffer if at is None else buffer[at]
 
 
+def keys_of(buffer: jax.Array, at: jax.Array | None) -> reduce.Dense:
+    """A cache buffer of one layer as attention's keys: `buffer` itself, or layer `at` of a stack as a StackedDense,
+    which the invariant step's products read in place (a slice would be copied for their custom call every step)."""
+    return buffer if at is None else StackedDense(buffer, at)
+
+
 def compress(cp: Compressor, x: jax.Array, positions: jax.Array, ring_rows: jax.Array, ratio: int, overlap: bool,
              eps: float, at: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Gated per-channel pooling of windows of `ratio` tokens (`ds4_arch.md` §3.4), for every row.
@@ -180,7 +186,7 @@ class TargetModel:
         p = positions[..., None]
         in_window = (slot_pos <= p) & (slot_pos > p - cfg.sliding_window) & (slot_pos >= 0)
         # keys [B, K, d] shared by all rows, or [B, Q, K, d]
-        key_sets = [(layer_of(window, at).astype(jnp.float32), in_window)]
+        key_sets = [(keys_of(window, at), in_window)]
         if kind != "swa":
             m = cfg.compress_ratios[layer]
             comp_proj, entries, index = compress(blk.compressor, x, positions, cache.comp_proj, m, kind == "csa",
@@ -191,7 +197,7 @@ class TargetModel:
             cache = cache.replace(comp_proj=comp_proj, comp_kv=comp_kv)
             if kind == "hca":
                 visible = jnp.arange(comp_kv.shape[-2]) < ((positions + 1) // m)[..., None]
-                key_sets.append((layer_of(comp_kv, at).astype(jnp.float32), visible))
+                key_sets.append((keys_of(comp_kv, at), visible))
             else:
                 cache, picks, real = self._indexer_select(blk.indexer, x, qr, positions, cache, freqs, at)
                 picked = layer_of(comp_kv, at)[_batch_index(picks)[..., None], picks]  # [B, Q, k, d]
