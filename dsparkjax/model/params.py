@@ -209,7 +209,12 @@ class _TensorReader:
         """fn(*arrays, **static), or its shapes when the arrays are ShapeDtypeStructs (a sizing run)."""
         if isinstance(arrays[0], jax.ShapeDtypeStruct):
             return jax.eval_shape(functools.partial(fn, **static), *arrays)
-        return fn(*arrays, **static)
+        result = fn(*arrays, **static)
+        if isinstance(result, jax.Array) and not isinstance(result, jax.core.Tracer):
+            # waited for, so the inputs are freed before the next tensor is fetched: one tensor's stored and
+            # converted forms are the most that are ever live beside the weights (host memory on the CPU)
+            result.block_until_ready()
+        return result
 
 
 @functools.partial(jax.jit, static_argnames=("ggml_type", "shape", "dtype"))
