@@ -819,14 +819,23 @@ __global__ void __launch_bounds__(kGroupedSide * kGroupedSide) grouped_matmul_ke
 // batch-1 calls); both give every output the same bits.
 constexpr int64_t kGroupedBigTilesMin = 256;
 
+// Tiles of RM x RN outputs per thread along M and N.
+template <int RM, int RN>
+struct GroupedTiles {
+  int64_t m, n;
+  explicit GroupedTiles(const GroupedDims& d)
+      : m((d.M + kGroupedSide * RM - 1) / (kGroupedSide * RM)), n((d.N + kGroupedSide * RN - 1) / (kGroupedSide * RN)) {}
+  int64_t ctas(const GroupedDims& d) const { return d.G * m * n; }
+};
+
 template <class WT, int RM, int RN>
-void launch_grouped_matmul(gpuStream_t stream, const GroupedDims& d, const void* x, const void* w, const void* layer,
-                           void* y, bool transposed) {
-  const int64_t m_tiles = (d.M + kGroupedSide * RM - 1) / (kGroupedSide * RM);
-  const int64_t n_tiles = (d.N + kGroupedSide * RN - 1) / (kGroupedSide * RN);
-  grouped_matmul_kernel<WT, RM, RN><<<(unsigned)(d.G * m_tiles * n_tiles), kGroupedSide * kGroupedSide, 0, stream>>>(
-      static_cast<const float*>(x), static_cast<const WT*>(w), static_cast<const int32_t*>(layer), d.L, d.G,
-      static_cast<float*>(y), d.M, d.N, d.K, m_tiles, n_tiles, transposed);
+void launch_grouped_matmul(gpuStream_t stream, const GroupedDims& d, const ffi::AnyBuffer& x, const ffi::AnyBuffer& w,
+                           const ffi::AnyBuffer& layer, ffi::Result<ffi::AnyBuffer>& y, bool transposed) {
+  const GroupedTiles<RM, RN> tiles(d);
+  grouped_matmul_kernel<WT, RM, RN><<<(unsigned)tiles.ctas(d), kGroupedSide * kGroupedSide, 0, stream>>>(
+      static_cast<const float*>(x.untyped_data()), static_cast<const WT*>(w.untyped_data()),
+      static_cast<const int32_t*>(layer.untyped_data()), d.L, d.G, static_cast<float*>(y->untyped_data()), d.M, d.N,
+      d.K, tiles.m, tiles.n, transposed);
 }
 
 ffi::Error GroupedMatmulGpu(gpuStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer layer,
@@ -834,16 +843,12 @@ ffi::Error GroupedMatmulGpu(gpuStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer
   GroupedDims d;
   if (auto e = check_grouped_matmul(x, w, layer, *y, transposed, &d); e.failure()) return e;
   if (d.G * d.M * d.N == 0) return ffi::Error::Success();
-  const int64_t big_tiles = d.G * ((d.M + 31) / 32) * ((d.N + 63) / 64);
+  const int64_t big_tiles = GroupedTiles<2, 4>(d).ctas(d);  // the small tiles' launch has < 4 x kGroupedBigTilesMin
   if (big_tiles > INT_MAX) return arg_error("grouped_matmul: G x M x N too large for one launch");
   visit_float(w.element_type(), [&](auto wt) {
     using WT = decltype(wt);
-    if (big_tiles >= kGroupedBigTilesMin)
-      launch_grouped_matmul<WT, 2, 4>(stream, d, x.untyped_data(), w.untyped_data(), layer.untyped_data(),
-                                      y->untyped_data(), transposed);
-    else
-      launch_grouped_matmul<WT, 1, 2>(stream, d, x.untyped_data(), w.untyped_data(), layer.untyped_data(),
-                                      y->untyped_data(), transposed);
+    if (big_tiles >= kGroupedBigTilesMin) launch_grouped_matmul<WT, 2, 4>(stream, d, x, w, layer, y, transposed);
+    else launch_grouped_matmul<WT, 1, 2>(stream, d, x, w, layer, y, transposed);
   });
   return launch_error("grouped_matmul");
 }

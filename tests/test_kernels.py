@@ -431,12 +431,15 @@ def test_grouped_matmul_reads_one_layer_of_a_stack(device, transposed):
 
 
 def test_grouped_matmul_refuses_mismatched_operands(cpu_device):
-    """A w whose G or K differs from x's, or a transposed flag other than 0/1, is an error naming the op."""
+    """A w whose G or K differs from x's, or a transposed flag other than 0/1, is an error naming the op; a w the
+    kernels cannot read as float rows is refused before the call."""
     x = jnp.zeros((2, 3, 8), jnp.float32)
     with pytest.raises(Exception, match="grouped_matmul: w must be float \\[G, N, K\\] \\(or a stack"):
         jax.jit(functools.partial(kernels.ffi.grouped_matmul, transposed=False))(x, jnp.zeros((2, 5, 7)))
     with pytest.raises(Exception, match="grouped_matmul: w must be float \\[G, K, N\\]"):
         jax.jit(functools.partial(kernels.ffi.grouped_matmul, transposed=True))(x, jnp.zeros((3, 8, 5)))
+    with pytest.raises(DsparkError, match="float32, float16 or bfloat16 matrices, got int32"):
+        rowwise.grouped_rows(x, jnp.zeros((2, 5, 8), jnp.int32))
     with pytest.raises(Exception, match="transposed must be 0"):
         kernels.ffi._call("dspark_grouped_matmul", jax.ShapeDtypeStruct((2, 3, 5), jnp.float32), x,
                           jnp.zeros((2, 5, 8)), jnp.int32(0), transposed=np.int32(2))

@@ -36,12 +36,18 @@ def _padded(x: jax.Array) -> jax.Array:
     return x if pad == 0 else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
 
 
-def packed_dense(w: jax.Array) -> tuple[jax.Array, int]:
-    """A dense float matrix `[..., N, K]` (K padded to BLOCK) as packed rows: (uint8 `[..., N, K·itemsize]`,
-    its ggml type)."""
+def _check_dense(w: jax.Array) -> jnp.dtype:
+    """w's dtype, refused (DsparkError) unless the kernels read it as float rows."""
     dtype = jnp.dtype(w.dtype)
     if dtype not in DENSE_TYPES:
         raise DsparkError(f"row-invariant products take float32, float16 or bfloat16 matrices, got {dtype}")
+    return dtype
+
+
+def packed_dense(w: jax.Array) -> tuple[jax.Array, int]:
+    """A dense float matrix `[..., N, K]` (K padded to BLOCK) as packed rows: (uint8 `[..., N, K·itemsize]`,
+    its ggml type)."""
+    dtype = _check_dense(w)
     w = _padded(w)
     raw = jax.lax.bitcast_convert_type(w, jnp.uint8)  # [..., N, K, itemsize], little-endian as the kernels read
     return raw.reshape(*w.shape[:-1], -1), DENSE_TYPES[dtype]
@@ -71,8 +77,7 @@ def grouped_rows(x: jax.Array, w: jax.Array, transposed: bool = False, layer: ja
     One grouped-product call (`ffi.grouped_matmul`): each output is a multiply-add chain over K in order, so no
     row's bits depend on G, M or N.
     """
-    if jnp.dtype(w.dtype) not in DENSE_TYPES:
-        raise DsparkError(f"row-invariant products take float32, float16 or bfloat16 matrices, got {w.dtype}")
+    _check_dense(w)
     return ffi.grouped_matmul(x.astype(jnp.float32), w, transposed, layer)
 
 
