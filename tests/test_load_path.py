@@ -74,9 +74,9 @@ def test_loading_keeps_no_host_copy_of_the_weights(tmp_path, workers):
     """A 2.5 GB slice of DS4's layout (3 layers, 16 experts each) loads with the process's peak resident memory
     growing by at most the weights as they sit on the (CPU) device plus the one largest tensor in flight and, with
     workers fetching ahead, their bound (0.5 GB here, a fifth of the file), and the runtime's own working memory
-    while loading (0.25 GB; one CI run exceeded the bound without it by 0.1 GB): the file's pages are given back after
-    each tensor, and nothing is copied on the host. The previous loader, which decoded and stacked on the host
-    and kept the map's pages, grew by 2.4x the weights here."""
+    while loading (0.25 GB): the file's pages are given back after each tensor, and nothing is copied on the host.
+    The previous loader, which decoded and stacked on the host and kept the map's pages, grew by 2.4x the weights
+    here."""
     cfg = dataclasses.replace(deepseek_v4_flash(3), n_routed_experts=16)
     target_path, _ = write_sparse_pair(str(tmp_path), cfg, dspark_flash(3))
     assert os.path.getsize(target_path) > 2e9
@@ -103,12 +103,23 @@ print(json.dumps(dict(growth=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss 
     assert proc.returncode == 0, proc.stderr[-2000:]
     m = json.loads(proc.stdout.strip().splitlines()[-1])
     # 256 MB for the runtime itself while loading (XLA's compiles of the conversion programs, allocator pools).
-    # The loader waits for each conversion (params._TensorReader._apply), so growth here is weights + 0.94 GB in every
-    # run (0.56 the Q8_0 head's stored bytes beside its decoded form, 0.38 the runtime's); before it did, the
-    # conversions ran behind the next fetches and growth varied from weights + 0.4 to + 1.49 GB. A host copy would
-    # add 2.46 GB.
+    # Growth here is weights + 0.68 to 0.72 GB (1 and 4 workers, also beside a busy core): the Q8_0 head's stored
+    # bytes and its map pages beside its decoded form. While the CPU arrays of 64-byte-aligned tensors were the
+    # map's pages themselves (read again from the file after each release), growth was weights + 0.94 GB here and
+    # + 1.55 GB in a CI run. A host copy would add 2.46 GB.
     runtime_slack = 256 << 20
     assert m["growth"] <= m["weights"] + m["largest"] + (512 << 20 if workers > 1 else 0) + runtime_slack, m
+
+
+def test_loaded_tensors_are_copies_not_the_file_map(tiny_files):
+    """The CPU client wraps a 64-byte-aligned host buffer in place instead of copying it; a loaded tensor must
+    still be a copy, not the map's pages, which the loader gives back and which change with the file."""
+    file = GGUFFile(tiny_files[0])
+    aligned = [name for name in file.tensors if file.raw(name).ctypes.data % 64 == 0]
+    assert aligned  # the case the CPU client would wrap
+    source = FileSource(file)
+    for name in aligned:
+        assert source.fetch(name).unsafe_buffer_pointer() != file.raw(name).ctypes.data, name
 
 
 def _fetch_all(source, got: list[str]) -> None:

@@ -136,6 +136,10 @@ class FileSource:
         else:
             host = self.file.array(name)
         array = jax.device_put(host)
+        if _aliases(array, host):
+            # the CPU client wraps a 64-byte-aligned host buffer in place: such an array would read the map's pages
+            # (given back below, read again from the file on use) and change with the file
+            array = jnp.array(array, copy=True)
         array.block_until_ready()
         self.file.release(name)
         return array
@@ -158,6 +162,11 @@ class FileSource:
             self._pool = None
             self._ahead.clear()
             self._todo.clear()
+
+
+def _aliases(array: jax.Array, host: np.ndarray) -> bool:
+    """Whether `array` is `host`'s memory itself rather than a copy of it."""
+    return array.unsafe_buffer_pointer() == host.ctypes.data
 
 
 class ShapeSource:
