@@ -268,7 +268,7 @@ def main(argv: list[str]) -> None:
         census = {mode: entry_launches(text) for mode, text in hlo.items()}
         kinds = sorted(set().union(*(summary(c) for c in census.values())))
         print(f"\nwidth {q}:")
-        print(f"| kind | invariant | fast | invariant bytes out | fast bytes out |")
+        print("| kind | invariant | fast | invariant bytes out | fast bytes out |")
         print("|---|---|---|---|---|")
         for kind in kinds + ["all"]:
             row = [[x for x in census[m] if kind in ("all", x.kind)] for m in ("invariant", "fast")]

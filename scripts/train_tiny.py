@@ -128,7 +128,6 @@ def main(argv: list[str]) -> None:
         loop.Schedule(_TARGET_STEPS.value, _LR.value, _TARGET_SECONDS.value), "target")
 
     frozen = target.target_params(t_params, hash_tables, t_cfg)
-    total = _PROMPT_LEN.value + _GEN.value
 
     def feature_set(stream: np.ndarray, count: int, seed: int) -> drafter.FeatureSet:
         prompts = corpus.sample_windows(stream, np.random.default_rng(seed), count, _PROMPT_LEN.value)

@@ -1,5 +1,5 @@
 """Test session setup: fast XLA compiles on CPU, opt-in markers, freeing compiled programs (per module and near
-the kernel's map limit), and shared tiny-pair fixtures."""
+the kernel's map limit), shared tiny-pair fixtures and the kernel tests' device fixtures."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ if "PYTEST_XDIST_WORKER" in os.environ:
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+from dsparkjax import kernels  # noqa: E402
 from dsparkjax.aot import AotFunction  # noqa: E402
 from dsparkjax.tiny import tiny_pair, write_tiny_pair  # noqa: E402
 
@@ -98,3 +99,29 @@ def tiny_params():
 def tiny_files(tmp_path_factory) -> tuple[str, str]:
     """(target.gguf, draft.gguf) written by `write_tiny_pair(seed=0)` (f32, default tokenizer)."""
     return write_tiny_pair(str(tmp_path_factory.mktemp("tiny_f32")), seed=0)
+
+
+@pytest.fixture
+def cpu_device() -> jax.Device:
+    """The CPU, whose plugin must be loaded (it also serves GPU tests' CPU-side oracles)."""
+    if not kernels.ffi.available("cpu"):
+        pytest.fail(f"CPU plugin not loaded: {kernels.ffi._STATUS['cpu']}")
+    return jax.devices("cpu")[0]
+
+
+@pytest.fixture
+def gpu_device() -> jax.Device:
+    """The GPU, whose plugin must be loaded; the test is skipped where either is missing."""
+    try:
+        dev = jax.devices("gpu")[0]
+    except RuntimeError:
+        pytest.skip("no GPU visible to JAX")
+    if not kernels.ffi.available("gpu"):
+        pytest.skip(f"CUDA plugin not loaded: {kernels.ffi._STATUS['gpu']}")
+    return dev
+
+
+@pytest.fixture(params=["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
+def device(request) -> jax.Device:
+    """Each device in turn: the CPU, and the GPU under the `gpu` marker."""
+    return request.getfixturevalue(f"{request.param}_device")

@@ -107,7 +107,7 @@ def _mutations(layout: Layout) -> st.SearchStrategy[Mutation]:
         from dsparkjax.ggufio.finite import F16_SCALE_OFFSETS
 
         if gt == formats.GGMLType.F16:
-            index, within = int(at * (nbytes // 2 - 1)), 0
+            index = int(at * (nbytes // 2 - 1))
             offset = start + 2 * index
         else:
             block = int(at * (nbytes // formats.type_size(gt) - 1))

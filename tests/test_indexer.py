@@ -17,29 +17,6 @@ from dsparkjax import kernels
 from dsparkjax.errors import DsparkError
 
 
-@pytest.fixture
-def cpu_device() -> jax.Device:
-    if not kernels.ffi.available("cpu"):
-        pytest.fail(f"CPU plugin not loaded: {kernels.ffi._STATUS['cpu']}")
-    return jax.devices("cpu")[0]
-
-
-@pytest.fixture
-def gpu_device() -> jax.Device:
-    try:
-        dev = jax.devices("gpu")[0]
-    except RuntimeError:
-        pytest.skip("no GPU visible to JAX")
-    if not kernels.ffi.available("gpu"):
-        pytest.skip(f"CUDA plugin not loaded: {kernels.ffi._STATUS['gpu']}")
-    return dev
-
-
-@pytest.fixture(params=["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
-def device(request) -> jax.Device:
-    return request.getfixturevalue(f"{request.param}_device")
-
-
 def integer_inputs(rng: np.random.Generator, b: int, q: int, heads: int, dim: int, n: int, distinct_keys: int
                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(queries, keys, head_weights) float32 of small integers; keys repeat `distinct_keys` rows, so scores tie."""

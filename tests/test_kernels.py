@@ -20,7 +20,6 @@ from hypothesis import strategies as st
 
 from dsparkjax import formats, kernels
 from dsparkjax.errors import DsparkError, FormatError, UnsupportedTypeError
-from dsparkjax.testing import timing
 from dsparkjax.formats import GGMLType, block_size, type_size
 from dsparkjax.kernels import rowwise
 from dsparkjax.model import hc as hc_ref
@@ -28,31 +27,6 @@ from dsparkjax.testing import synthetic, timing
 
 TYPES = sorted(kernels.KERNEL_TYPES)
 INT_PATH_TYPES = [GGMLType.Q8_0, GGMLType.Q2_K, GGMLType.Q4_K, GGMLType.IQ2_XXS]  # the formats of the GPU integer path
-
-
-@pytest.fixture
-def cpu_device() -> jax.Device:
-    """The CPU, whose plugin must be loaded (it also serves GPU tests' CPU-side oracles)."""
-    if not kernels.ffi.available("cpu"):
-        pytest.fail(f"CPU plugin not loaded: {kernels.ffi._STATUS['cpu']}")
-    return jax.devices("cpu")[0]
-
-
-@pytest.fixture
-def gpu_device() -> jax.Device:
-    """The GPU, whose plugin must be loaded; the test is skipped where either is missing."""
-    try:
-        dev = jax.devices("gpu")[0]
-    except RuntimeError:
-        pytest.skip("no GPU visible to JAX")
-    if not kernels.ffi.available("gpu"):
-        pytest.skip(f"CUDA plugin not loaded: {kernels.ffi._STATUS['gpu']}")
-    return dev
-
-
-@pytest.fixture(params=["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
-def device(request) -> jax.Device:
-    return request.getfixturevalue(f"{request.param}_device")
 
 
 def random_packed(rng: np.random.Generator, t: GGMLType, rows: tuple[int, ...], k: int) -> np.ndarray:
