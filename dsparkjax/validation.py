@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
@@ -49,6 +49,13 @@ def positive_int(value: Any, name: str) -> int:
     return int(value)
 
 
+def boolean(value: Any, name: str) -> bool:
+    """A bool (or numpy's): a string such as "no" would otherwise read as true."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ArgumentError(f"{name} must be True or False, got {value!r}")
+    return bool(value)
+
+
 def choice(value: Any, name: str, choices: Sequence[Any]) -> Any:
     if value not in choices:
         raise ArgumentError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
@@ -74,24 +81,51 @@ def proposer(drafter: Any) -> None:
                             f"{type(drafter).__name__} (it lacks {', '.join(missing)})")
 
 
-def generate_arguments(target: Any, prompts: Any, drafter: Any, max_new_tokens: Any, verify: Any, mode: Any,
-                       temperature_: Any, prefill_chunk: Any) -> tuple[list[np.ndarray], str]:
-    """Check `generate`'s arguments; returns (the prompts as int64 arrays, the mode: "spec" or "ar")."""
+def target(value: Any) -> None:
+    """The model argument must be a loaded Target (a GGUF path is not one)."""
+    from dsparkjax.target_api import Target  # imported here: target_api checks its own arguments with this module
+
+    if not isinstance(value, Target):
+        raise ArgumentError(f"target must be a Target such as load_target(path), got {type(value).__name__}")
+
+
+class GenerateArguments(NamedTuple):
+    """`generate`'s checked arguments, as the types the decoder uses."""
+
+    prompts: list[np.ndarray]  # int64 token ids, one array per prompt
+    mode: str  # "spec" or "ar"
+    max_new_tokens: int
+    prefill_chunk: int
+    stop_tokens: frozenset[int]
+
+
+def generate_arguments(target_: Any, prompts: Any, drafter: Any, max_new_tokens: Any, verify: Any, mode: Any,
+                       temperature_: Any, prefill_chunk: Any, on_token: Any, stop_tokens: Any) -> GenerateArguments:
+    """Check `generate`'s arguments (stop_tokens None: the target's EOS)."""
+    target(target_)
     arrays = prompt_list(prompts)
-    positive_int(max_new_tokens, "max_new_tokens")
-    positive_int(prefill_chunk, "prefill_chunk")
+    max_new_tokens = positive_int(max_new_tokens, "max_new_tokens")
+    prefill_chunk = positive_int(prefill_chunk, "prefill_chunk")
     choice(verify, "verify", ("exact", "fast", "lossless"))
     choice(mode, "mode", ("spec", "ar", None))
     temperature(temperature_)
     if drafter is not None:
         proposer(drafter)
+    if on_token is not None and not callable(on_token):
+        raise ArgumentError(f"on_token must be a callable (sequence index, token id) or None, got "
+                            f"{type(on_token).__name__}")
     mode = mode or ("spec" if drafter is not None else "ar")
     if mode == "spec" and drafter is None:
         raise ArgumentError("mode 'spec' needs a drafter")
     for i, array in enumerate(arrays):
-        target.check_tokens(array, f"prompt {i}")
+        target_.check_tokens(array, f"prompt {i}")
+    stops = token_ids([target_.config.eos_token_id] if stop_tokens is None else stop_tokens, "stop_tokens", 1)
+    target_.check_tokens(stops, "stop_tokens")  # an id the model never emits would never stop a sequence
+    context = target_.config.context_length
     longest = max(len(a) for a in arrays)
-    if longest + max_new_tokens > target.config.context_length:
+    if longest + max_new_tokens > context:
         raise ArgumentError(f"prompt of {longest} tokens + max_new_tokens {max_new_tokens} exceeds the context "
-                            f"length {target.config.context_length} of {target.path}")
-    return arrays, mode
+                            f"length {context} of {target_.path}")
+    if prefill_chunk > context:  # a chunk no prompt can fill would only size the prefill program past memory
+        raise ArgumentError(f"prefill_chunk {prefill_chunk} exceeds the context length {context} of {target_.path}")
+    return GenerateArguments(arrays, mode, max_new_tokens, prefill_chunk, frozenset(stops.tolist()))

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 from model_helpers import tiny_target_model
 
 from dsparkjax.decoding.forward import forward
 from dsparkjax.decoding.generate import generate
-from dsparkjax.errors import ArgumentError, TokenIdError
+from dsparkjax.errors import ArgumentError, DsparkError, TokenIdError
 
 
 @pytest.fixture(scope="module")
@@ -85,3 +86,46 @@ def test_out_of_range_token_ids_are_refused(target):
         generate(target, [[1], [600]])
     with pytest.raises(TokenIdError, match="token ids: id -1 is outside the vocabulary"):
         forward(target, [[3, -1]])
+
+
+def test_numpy_integer_arguments_are_taken_as_ints(target):
+    """np.int64 is an integer like int (a length read from an array): it must run, not fail deep inside."""
+    results = generate(target, np.array([[1, 2]]), max_new_tokens=np.int64(2), prefill_chunk=np.int32(4))
+    assert len(results[0].token_ids) == 2
+
+
+@pytest.mark.parametrize("stops, match", [
+    ([600], "stop_tokens: id 600 is outside the vocabulary"),
+    ([-1], "stop_tokens: id -1 is outside the vocabulary"),
+    ([1.5], "stop_tokens must hold integer token ids"),
+    ("ab", "stop_tokens must be token ids .*got a string"),
+    (7, r"stop_tokens must have 1 axes of token ids, got shape \(\)"),
+])
+def test_stop_tokens_must_be_ids_in_the_vocabulary(target, stops, match):
+    """A stop token that can never be emitted (or is no token) would silently never stop a sequence."""
+    with pytest.raises(DsparkError, match=match):
+        generate(target, [[1, 2]], stop_tokens=stops)
+
+
+def test_on_token_must_be_callable(target):
+    with pytest.raises(ArgumentError, match="on_token must be a callable .*got int"):
+        generate(target, [[1, 2]], on_token=5)
+
+
+def test_a_path_passed_as_the_target_is_refused(target):
+    with pytest.raises(ArgumentError, match="target must be a Target such as load_target.*got str"):
+        generate(target.path, [[1, 2]])
+    with pytest.raises(ArgumentError, match="target must be a Target such as load_target.*got str"):
+        forward(target.path, [[1, 2]])
+
+
+def test_prefill_chunk_beyond_the_context_length_is_refused(target):
+    """A chunk longer than any prompt can be would size the prefill program past memory (a raw OOM)."""
+    chunk = target.config.context_length + 1
+    with pytest.raises(ArgumentError, match=f"prefill_chunk {chunk} exceeds the context length"):
+        generate(target, [[1, 2]], prefill_chunk=chunk)
+
+
+def test_forward_of_no_sequences_is_refused(target):
+    with pytest.raises(ArgumentError, match=r"token_ids: no sequences \(shape \(0, 3\)\)"):
+        forward(target, np.zeros((0, 3), np.int64))

@@ -22,10 +22,13 @@ def forward(target: Target, token_ids: Any, *, chunk: int = 16) -> np.ndarray:
     Returns:
       float32 numpy `[B, T, V]` logits.
     """
+    validation.target(target)
     tokens = validation.token_ids(token_ids, "token_ids", 2)
     chunk = validation.positive_int(chunk, "chunk")
     target.check_tokens(tokens)
     batch, length = tokens.shape
+    if batch < 1:
+        raise ArgumentError(f"token_ids: no sequences (shape {tokens.shape}); forward runs one or more")
     if not 1 <= length <= target.config.context_length:
         raise ArgumentError(f"token_ids: {length} positions; forward runs 1 to the context length "
                             f"{target.config.context_length} of {target.path}")

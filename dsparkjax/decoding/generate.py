@@ -117,15 +117,14 @@ def generate(
     Raises:
       ArgumentError naming the argument for a bad one, before anything runs.
     """
-    arrays, mode = validation.generate_arguments(target, prompts, drafter, max_new_tokens, verify, mode,
-                                                 temperature, prefill_chunk)
+    arrays, mode, max_new_tokens, prefill_chunk, stops = validation.generate_arguments(
+        target, prompts, drafter, max_new_tokens, verify, mode, temperature, prefill_chunk, on_token, stop_tokens)
     params = SamplingParams(temperature, top_k, top_p, min_p)
     seeds = _sequence_seeds(seed, len(arrays))
     decoder = Decoder.for_prompts(target, drafter, speculative=mode == "spec", lengths=[len(a) for a in arrays],
                                   max_new_tokens=max_new_tokens, verify=verify, width=width,
                                   prefill_chunk=prefill_chunk, sample=not params.greedy)
     engine = Engine(decoder)
-    stops = frozenset(stop_tokens if stop_tokens is not None else (target.config.eos_token_id,))
     sequences = {engine.admit(a, params, s): _Sequence(i, max_new_tokens, stops, on_token)
                  for i, (a, s) in enumerate(zip(arrays, seeds))}
     results = [s.result for s in sequences.values()]
