@@ -37,6 +37,7 @@ def ids(results) -> list[list[int]]:
     (dict(temperature=float("nan")), "temperature must be a finite number"),
     (dict(top_k=-1), "top_k must be an integer >= 0"),
     (dict(top_k=2.5), "top_k must be an integer >= 0"),
+    (dict(top_k=2**31), r"top_k must be an integer >= 0 .*and < 2\*\*31"),  # the rows hold int32
     (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
     (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
     (dict(min_p=-0.5), r"min_p must be in \[0, 1\]"),

@@ -82,6 +82,14 @@ def test_adaptive_takes_the_proposers_thresholds_and_the_decoders_cost():
     given = WidthPolicy("confidence", thresholds=(0.1,), max_q=6)
     assert policy_for(given, fitted, 4) == dataclasses.replace(given, max_q=4)
     assert policy_for("3", fitted, 6) == WidthPolicy("fixed", fixed_q=3, max_q=6)
+    assert policy_for(np.int64(3), fitted, 6) == WidthPolicy("fixed", fixed_q=3, max_q=6)
+
+
+@pytest.mark.parametrize("width", [True, 2.0, "٣", "+3", "", None])
+def test_a_width_that_is_no_integer_is_refused(width):
+    """True is no width (it read as q = 1), nor a non-ASCII digit that int() reads as 3."""
+    with pytest.raises(ArgumentError, match="width must be 'adaptive' or an integer in"):
+        policy_for(width, _Proposer(), 6)
 
 
 @pytest.mark.parametrize("value", [[0.5, 0.4, 0.3, 0.2, 0.1, 0.0], [0.5, 2.0], [float("nan")], ["x"], "0.5", 0.5])

@@ -38,6 +38,7 @@ from dsparkjax.errors import ArgumentError
 
 TARGET, DRAFT, ACCEPT, RESIDUAL = 0, 1, 2, 3  # noise purposes (the last fold_in of a draw's key)
 MAX_SEED = 2**32 - 1
+MAX_TOP_K = 2**31 - 1  # the rows hold top_k as int32; a k of the vocabulary or more keeps every token
 
 
 def _real(value: Any, name: str) -> float:
@@ -50,8 +51,8 @@ def _real(value: Any, name: str) -> float:
 class SamplingParams:
     """How a sequence samples (module docstring: the warping order). The defaults are greedy decoding.
 
-    temperature: >= 0, 0 is greedy; top_k: an integer >= 0, 0 keeps every token; top_p: in (0, 1], 1 keeps
-    every token; min_p: in [0, 1], 0 keeps every token.
+    temperature: >= 0, 0 is greedy; top_k: an integer in [0, 2**31), 0 keeps every token; top_p: in (0, 1], 1
+    keeps every token; min_p: in [0, 1], 0 keeps every token.
     """
 
     temperature: float = 0.0
@@ -62,8 +63,9 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if _real(self.temperature, "temperature") < 0:
             raise ArgumentError(f"temperature must be a finite number >= 0 (0: greedy), got {self.temperature!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral) or self.top_k < 0:
-            raise ArgumentError(f"top_k must be an integer >= 0 (0: off), got {self.top_k!r}")
+        if (isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral)
+                or not 0 <= self.top_k <= MAX_TOP_K):
+            raise ArgumentError(f"top_k must be an integer >= 0 (0: off) and < 2**31, got {self.top_k!r}")
         if not 0 < _real(self.top_p, "top_p") <= 1:
             raise ArgumentError(f"top_p must be in (0, 1] (1: off), got {self.top_p!r}")
         if not 0 <= _real(self.min_p, "min_p") <= 1:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Any, Literal, Mapping, Sequence
 
 import jax
@@ -97,7 +98,9 @@ def policy_for(width: int | str | WidthPolicy, proposer: Any, max_q: int) -> Wid
     """
     if isinstance(width, WidthPolicy):
         return dataclasses.replace(width, max_q=min(width.max_q, max_q))
-    if isinstance(width, int) or (isinstance(width, str) and width.isdigit()):
+    # bools are ints to Python and non-ASCII digits to int(): neither is a width
+    integer = isinstance(width, numbers.Integral) and not isinstance(width, bool)
+    if integer or (isinstance(width, str) and width.isascii() and width.isdigit()):
         q = int(width)
         if not 1 <= q <= max_q:
             raise ArgumentError(f"width must be 'adaptive' or an integer in [1, {max_q}], got {width}")
