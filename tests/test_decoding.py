@@ -13,7 +13,7 @@ from model_helpers import VOCAB, fresh_state, step_fn, tiny_pair_model, tiny_tar
 from dsparkjax.decoding.decoder import Decoder
 from dsparkjax.decoding.engine import Engine
 from dsparkjax.decoding.generate import generate
-from dsparkjax.errors import CapacityError
+from dsparkjax.errors import ArgumentError, CapacityError
 from dsparkjax.model import ring
 from dsparkjax.testing.oracle import oracle_for
 
@@ -174,3 +174,26 @@ def test_engine_refuses_a_prompt_when_no_row_is_free():
     engine.admit([1, 2])
     with pytest.raises(CapacityError, match="no free row"):
         engine.admit([3])
+
+
+@pytest.mark.parametrize("prompt, error, match", [
+    ([1.7, 2.2], ArgumentError, "prompt must hold integer token ids, got dtype float64"),  # was truncated to [1, 2]
+    ([True], ArgumentError, "prompt must hold integer token ids, got dtype bool"),
+    ("abc", ArgumentError, "prompt must be token ids .*got a string"),
+    ([], ArgumentError, "prompt needs at least one token"),
+    ([[1, 2]], ArgumentError, "prompt must have 1 axes of token ids"),
+])
+def test_engine_refuses_a_prompt_that_is_not_token_ids(prompt, error, match):
+    engine = Engine(Decoder(tiny_target_model(), None, batch=1, max_len=64, max_step=6, prefill_chunk=4))
+    with pytest.raises(error, match=match):
+        engine.admit(prompt)
+    assert engine.free_rows == [0]
+
+
+@pytest.mark.parametrize("field, value", [("batch", 0), ("batch", -1), ("max_len", 0), ("max_step", 2.5),
+                                          ("prefill_chunk", 0), ("block", True)])
+def test_decoder_sizes_must_be_positive_integers(field, value):
+    """Refused naming the field, not a ZeroDivisionError or a negative shape while the state is built."""
+    sizes = dict(batch=1, max_len=64, max_step=6, prefill_chunk=4)
+    with pytest.raises(ArgumentError, match=f"{field} must be an integer >= 1, got {value!r}"):
+        Decoder(tiny_target_model(), None, **{**sizes, field: value})

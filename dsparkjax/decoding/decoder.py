@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsparkjax import footprint
+from dsparkjax import footprint, validation
 from dsparkjax.aot import AotFunction
 from dsparkjax.decoding import sampling
 from dsparkjax.decoding.program import LoopState, RowsOut, StepOutcome, decode_program, prefill_program
@@ -98,6 +98,8 @@ class Decoder:
                    capture_layers=drafter.capture_layers if drafter is not None else ())
 
     def __post_init__(self) -> None:
+        for field in ("batch", "max_len", "max_step", "prefill_chunk", "block"):  # the shapes of the state's arrays
+            validation.positive_int(getattr(self, field), field)
         # Plain decoding has nothing to reproduce: it runs the target's own steps, invariant where they can be.
         if self.verify != "fast" and self.proposer is not None and not self.target.invariant:
             raise DsparkError(f"speculative verify={self.verify!r} needs batch-invariant steps, which run on the FFI "

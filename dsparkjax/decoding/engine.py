@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dsparkjax import validation
 from dsparkjax.decoding.decoder import Decoder
 from dsparkjax.decoding.program import StepOutcome
 from dsparkjax.decoding.sampling import GREEDY, RowSampling, SamplingParams, check_seed
@@ -87,9 +88,9 @@ class Engine:
         free = self.free_rows
         if not free:
             raise CapacityError(f"no free row: all {self.decoder.batch} rows of the engine are in use")
-        prompt = np.asarray(prompt, np.int64)
-        if prompt.ndim != 1 or prompt.size == 0:
-            raise ArgumentError(f"prompt must be a non-empty 1-D sequence of token ids, got shape {prompt.shape}")
+        prompt = validation.token_ids(prompt, "prompt", 1)
+        if prompt.size == 0:
+            raise ArgumentError("prompt needs at least one token")
         self.decoder.target.check_tokens(prompt, "prompt")
         if prompt.size + self.decoder.max_step > self.decoder.max_len:
             raise CapacityError(f"a prompt of {prompt.size} tokens leaves no room in rows of max_len "
