@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsparkjax.config import TargetConfig
-from dsparkjax.errors import DsparkError, TokenIdError
-from dsparkjax import formats
+from dsparkjax.errors import ArgumentError, TokenIdError
+from dsparkjax import formats, validation
 from dsparkjax.ggufio.contract import open_target
 from dsparkjax.ggufio.reader import GGUFFile
 from dsparkjax.kernels.policy import KernelPolicy
@@ -94,10 +94,12 @@ def load_target(path: str, *, dtype: str = "float32", simulate_qat: bool = True,
     load_workers: threads that check and copy tensors ahead of the loader (`model/sources.py`); 1 loads one
     tensor at a time.
     """
-    if dtype not in DTYPES:
-        raise DsparkError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    if kernels not in KERNEL_CHOICES:
-        raise DsparkError(f"kernels must be one of {KERNEL_CHOICES}, got {kernels!r}")
+    validation.choice(dtype, "dtype", tuple(DTYPES))
+    validation.choice(kernels, "kernels", KERNEL_CHOICES)
+    if not isinstance(policy, KernelPolicy):
+        raise ArgumentError(f"policy must be a KernelPolicy (dsparkjax.kernels.policy), got {type(policy).__name__}")
+    for name, flag in (("simulate_qat", simulate_qat), ("progress", progress), ("scan_layers", scan_layers)):
+        validation.boolean(flag, name)
     file, cfg = open_target(path)
     kernels = _kernel_choice(kernels, file)
     pack = None if kernels == "dequantize" else kernels

@@ -10,7 +10,9 @@ from model_helpers import tiny_target_model
 
 from dsparkjax.decoding.forward import forward
 from dsparkjax.decoding.generate import generate
+from dsparkjax.decoding.proposer import load_drafter
 from dsparkjax.errors import ArgumentError, DsparkError, TokenIdError
+from dsparkjax.target_api import load_target
 
 
 @pytest.fixture(scope="module")
@@ -129,3 +131,21 @@ def test_prefill_chunk_beyond_the_context_length_is_refused(target):
 def test_forward_of_no_sequences_is_refused(target):
     with pytest.raises(ArgumentError, match=r"token_ids: no sequences \(shape \(0, 3\)\)"):
         forward(target, np.zeros((0, 3), np.int64))
+
+
+@pytest.mark.parametrize("option, value, match", [
+    ("dtype", ["float32"], r"dtype must be one of 'float32', 'bfloat16', got \['float32'\]"),  # was a TypeError
+    ("kernels", "cuda", "kernels must be one of 'auto', 'dequantize', 'ffi', 'reference', got 'cuda'"),
+    ("policy", "fast", "policy must be a KernelPolicy .*got str"),
+    ("simulate_qat", "no", "simulate_qat must be True or False, got 'no'"),  # a string read as true
+    ("scan_layers", 1, "scan_layers must be True or False, got 1"),
+    ("progress", None, "progress must be True or False, got None"),
+])
+def test_load_target_options_are_checked(tiny_files, option, value, match):
+    with pytest.raises(ArgumentError, match=match):
+        load_target(tiny_files[0], **{option: value})
+
+
+def test_load_drafter_needs_a_loaded_target(tiny_files):
+    with pytest.raises(ArgumentError, match="target must be a Target such as load_target.*got str"):
+        load_drafter(tiny_files[1], tiny_files[0])

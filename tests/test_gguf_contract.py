@@ -271,6 +271,10 @@ def test_file_truncated_inside_the_header(base, tmp_path, size):
     assert any(part in msg for part in ("GGUF header", "metadata key ", "tensor ")), msg  # the part cut
 
 
+def test_a_directory_is_no_gguf_file(tmp_path):
+    assert_names(contract_error(open_target, str(tmp_path)), str(tmp_path), "a directory")
+
+
 def test_missing_file(tmp_path):
     path = str(tmp_path / "nope.gguf")
     assert_names(contract_error(open_target, path), path, "no such file")

@@ -195,13 +195,14 @@ def test_a_model_that_cannot_fit_is_refused_before_loading(monkeypatch, tiny_fil
         assert part in message, message
 
 
-@pytest.mark.parametrize("workers", [0, -2])
+@pytest.mark.parametrize("workers", [0, -2, 2.5, True])
 def test_load_workers_below_one_is_refused_naming_the_argument(tiny_files, workers):
-    """load_target and load_drafter refuse `load_workers` < 1 with a DsparkError naming it and the value."""
-    with pytest.raises(DsparkError, match=f"load_workers must be >= 1, got {workers}"):
+    """load_target and load_drafter refuse a `load_workers` that is no integer >= 1 with a DsparkError naming it
+    and the value (2.5 and True were taken as worker counts)."""
+    with pytest.raises(DsparkError, match=f"load_workers must be an integer >= 1, got {workers}"):
         load_target(tiny_files[0], load_workers=workers)
     target = load_target(tiny_files[0])
-    with pytest.raises(DsparkError, match=f"load_workers must be >= 1, got {workers}"):
+    with pytest.raises(DsparkError, match=f"load_workers must be an integer >= 1, got {workers}"):
         load_drafter(tiny_files[1], target, load_workers=workers)
 
 

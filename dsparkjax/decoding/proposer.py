@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 
+from dsparkjax import validation
 from dsparkjax.aot import AotFunction
 from dsparkjax.config import DrafterConfig
 from dsparkjax.decoding.sampling import RowSampling
@@ -144,6 +145,7 @@ def load_drafter(path: str, target: Target, *, progress: bool = False, load_work
     """Open a `deepseek4-dflash-draft` GGUF, check its contract and its fit to `target`, load its weights
     (streamed to the device as the target's, `load_target`, `load_workers` threads ahead of the loader) and the
     width thresholds fitted for it, if any."""
+    validation.target(target)
     file, cfg = open_drafter(path, target.config)
     thresholds = thresholds_from_metadata(file.metadata, cfg.block_size, file.path)
     pack = None if target.kernels == "dequantize" else target.kernels

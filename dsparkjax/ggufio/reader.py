@@ -195,7 +195,8 @@ class GGUFFile:
     def __init__(self, path: str | os.PathLike[str]):
         self.path = str(path)
         if not os.path.isfile(self.path):
-            raise GGUFContractError(self.path, "file", "an existing GGUF file", "no such file")
+            found = "a directory" if os.path.isdir(self.path) else "no such file"
+            raise GGUFContractError(self.path, "file", "an existing GGUF file", found)
         reader = _LazyReader(self.path)
         # Tensors are read through a map of our own, whose pages `release` can give back (gguf-py's memmap, which
         # parsed the header, is dropped with the reader).

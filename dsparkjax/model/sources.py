@@ -22,8 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsparkjax import formats
-from dsparkjax.errors import DsparkError
+from dsparkjax import formats, validation
 from dsparkjax.formats import FLOAT_TYPES, GGMLType
 from dsparkjax.ggufio.contract import check_tensor_bytes
 from dsparkjax.ggufio.reader import GGUFFile, TensorInfo
@@ -191,8 +190,7 @@ def load_streamed(file: GGUFFile, load: Callable[[TensorSource], T], *, progress
     steps' workspace leave free."""
     from dsparkjax import footprint
 
-    if workers < 1:
-        raise DsparkError(f"load_workers must be >= 1, got {workers!r}")
+    validation.positive_int(workers, "load_workers")
     shapes = ShapeSource(file.path, file.tensors)
     need = footprint.tree_bytes(load(shapes))
     footprint.check_fits(need, f"the weights of {file.path}")
