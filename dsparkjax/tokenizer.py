@@ -23,7 +23,7 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, trainers
 
 from dsparkjax.chat import CONTROL_TOKENS, USER_DEFINED_TOKENS
-from dsparkjax.errors import GGUFContractError, TokenIdError
+from dsparkjax.errors import ArgumentError, GGUFContractError, TokenIdError
 
 _K = gguf.Keys.Tokenizer
 _MODEL = "gpt2"
@@ -181,7 +181,19 @@ class Tokenizer:
         return self._hf.token_to_id(token)
 
     def encode(self, text: str, *, add_bos: bool = False) -> list[int]:
-        """Token ids of ``text``; special-token strings in it (e.g. from the chat template) become their ids."""
+        """Token ids of ``text``; special-token strings in it (e.g. from the chat template) become their ids.
+
+        ArgumentError for anything but Unicode text: bytes, or a str holding a lone surrogate (what Python makes
+        of a non-UTF-8 byte in a command-line argument, or a JSON ``\\ud800`` escape), which `tokenizers` fails
+        on with a bare TypeError.
+        """
+        if not isinstance(text, str):
+            raise ArgumentError(f"text must be a str, got {type(text).__name__}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ArgumentError(f"text holds a lone surrogate U+{ord(text[e.start]):04X} at index {e.start}, which is "
+                                "no Unicode character (a byte that is not UTF-8?)") from None
         ids = self._hf.encode(text, add_special_tokens=False).ids
         return [self.bos_id, *ids] if add_bos else ids
 

@@ -6,7 +6,7 @@ import gguf
 import pytest
 
 from dsparkjax.chat import Prompt, load_prompts, render_chat
-from dsparkjax.errors import GGUFContractError, TokenIdError
+from dsparkjax.errors import ArgumentError, GGUFContractError, TokenIdError
 from dsparkjax.ggufio import open_gguf
 from dsparkjax.tokenizer import Tokenizer, build_tiny_tokenizer
 
@@ -58,6 +58,16 @@ def test_encode_decode_round_trip(from_gguf: Tokenizer, text: str) -> None:
     ids = from_gguf.encode(text)
     assert from_gguf.decode(ids) == text
     assert from_gguf.encode(text, add_bos=True) == [from_gguf.bos_id, *ids]
+
+
+@pytest.mark.parametrize("text, match", [
+    ("ab\udcffc", "lone surrogate U[+]DCFF at index 2"),  # a non-UTF-8 byte of a command-line argument
+    (b"abc", "text must be a str, got bytes"),
+])
+def test_encode_refuses_what_is_no_text(from_gguf: Tokenizer, text, match) -> None:
+    """The tokenizers library raised a bare TypeError for both."""
+    with pytest.raises(ArgumentError, match=match):
+        from_gguf.encode(text)
 
 
 def test_special_tokens_are_single_ids(from_gguf: Tokenizer) -> None:
