@@ -289,6 +289,10 @@ BAD_REQUESTS = [
     (_body(stream=True, stream_options={"include_usage": 1}), 400, "stream_options.include_usage"),
     (_body(n=2), 400, "n"),
     (_body(logprobs=3), 400, "logprobs"),
+    (_body(response_format={"type": "json_object"}), 400, "response_format"),  # was ignored
+    (_body(tool_choice="required"), 400, "tool_choice"),
+    (b"[" * 100_000 + b"]" * 100_000, 400, None),  # a RecursionError in json.loads: was a 500
+    (_body(prompt="a\ud800b"), 400, "prompt"),  # a lone surrogate, valid JSON: the tokenizer's TypeError, a 500
 ]
 
 
@@ -300,7 +304,8 @@ def test_bad_requests_get_an_openai_error(served, body, status, param):
 
 
 @pytest.mark.parametrize("messages", [[], [{"role": "robot", "content": "x"}], [{"role": "user", "content": 5}],
-                                      "hello", [{"role": "user", "content": [{"type": "image_url"}]}]])
+                                      "hello", [{"role": "user", "content": [{"type": "image_url"}]}],
+                                      [{"role": "user", "content": "\udfff"}]])
 def test_bad_chat_messages_get_400(served, messages):
     body = json.dumps({"model": EMBEDDED_MODEL, "messages": messages}).encode()
     got, answer = served.raw("POST", "/v1/chat/completions", body)

@@ -30,6 +30,7 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "n": (None, 1), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
     "logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []), "functions": (None, []),
     "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+    "response_format": (None, {"type": "text"}), "tool_choice": (None, "none", "auto"),
 }
 
 
@@ -73,6 +74,8 @@ def parse_request(kind: Kind, raw: bytes, tokenizer: Tokenizer, model: str) -> G
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise RequestError(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:  # arrays or objects nested thousands deep
+        raise RequestError("the request body nests arrays or objects too deeply") from None
     if not isinstance(body, dict):
         raise RequestError(f"the request body must be a JSON object, got {type(body).__name__}")
     name = body.get("model")
@@ -125,7 +128,7 @@ def _chat_prompt(body: dict[str, Any], tokenizer: Tokenizer) -> list[int]:
         text = chat.render_chat(flat)
     except ValueError as e:
         raise RequestError(str(e), param="messages") from None
-    return tokenizer.encode(text)  # the template starts with BOS
+    return _encode(tokenizer, text, "messages")  # the template starts with BOS
 
 
 def _text_parts(parts: list[Any], index: int) -> str:
@@ -142,7 +145,7 @@ def _completion_prompt(body: dict[str, Any], tokenizer: Tokenizer) -> list[int]:
     if isinstance(prompt, str):
         if not prompt:
             raise RequestError("prompt must not be empty", param="prompt")
-        return tokenizer.encode(prompt, add_bos=True)
+        return _encode(tokenizer, prompt, "prompt", add_bos=True)
     if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
         bad = [t for t in prompt if not 0 <= t < tokenizer.vocab_size]
         if bad:
@@ -151,6 +154,14 @@ def _completion_prompt(body: dict[str, Any], tokenizer: Tokenizer) -> list[int]:
         return list(prompt)
     raise RequestError("prompt must be a non-empty string or a non-empty array of token ids (one prompt per "
                        f"request), got {_type(prompt)}", param="prompt")
+
+
+def _encode(tokenizer: Tokenizer, text: str, param: str, add_bos: bool = False) -> list[int]:
+    """`tokenizer.encode`, its refusal of a string that is no text (a lone surrogate) a 400 naming `param`."""
+    try:
+        return tokenizer.encode(text, add_bos=add_bos)
+    except ArgumentError as e:
+        raise RequestError(f"{param}: {e}", param=param) from None
 
 
 def _stop(value: Any) -> tuple[str, ...]:
