@@ -30,6 +30,7 @@ from dsparkjax.decoding.generate import generate  # noqa: E402
 from dsparkjax.decoding.proposer import load_drafter  # noqa: E402
 from dsparkjax.decoding.sampling import SamplingParams  # noqa: E402
 from dsparkjax.embedded import embedded_pair  # noqa: E402
+from dsparkjax.errors import ArgumentError  # noqa: E402
 from dsparkjax.serve import EMBEDDED_MODEL  # noqa: E402
 from dsparkjax.serve.app import build_app  # noqa: E402
 from dsparkjax.serve.metrics import Metrics  # noqa: E402
@@ -310,6 +311,13 @@ def test_bad_chat_messages_get_400(served, messages):
     body = json.dumps({"model": EMBEDDED_MODEL, "messages": messages}).encode()
     got, answer = served.raw("POST", "/v1/chat/completions", body)
     assert got == 400 and answer["error"]["param"] == "messages"
+
+
+def test_a_context_beyond_the_models_is_refused(served):
+    """Rows longer than the model's context would serve positions it was never made for, silently."""
+    context = served.target.config.context_length
+    with pytest.raises(ArgumentError, match=f"max_context {context + 1} exceeds the context length {context} of "):
+        serving_engine(served.target, None, max_batch=1, max_context=context + 1)
 
 
 def test_unknown_route_gets_an_openai_error(served):

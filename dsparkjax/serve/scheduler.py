@@ -20,10 +20,11 @@ from typing import Any
 
 import numpy as np
 
+from dsparkjax import validation
 from dsparkjax.decoding.decoder import Decoder
 from dsparkjax.decoding.engine import Emitted, Engine
 from dsparkjax.decoding.proposer import Proposer
-from dsparkjax.errors import DsparkError
+from dsparkjax.errors import ArgumentError, DsparkError
 from dsparkjax.serve.metrics import Metrics
 from dsparkjax.serve.protocol import GenerationRequest
 from dsparkjax.serve.text import TextStream
@@ -41,7 +42,11 @@ def serving_engine(target: Target, drafter: Proposer | None, *, max_batch: int, 
                    prefill_chunk: int = 16) -> Engine:
     """An exact-mode engine of `max_batch` rows of `max_context` positions (speculative with `drafter`, plain
     without) whose rows may sample (each with its own parameters and seed, greedy ones alike), compiled, and
-    warmed up by one throwaway sequence so that serving compiles nothing more."""
+    warmed up by one throwaway sequence so that serving compiles nothing more. `max_context` is at most the
+    target's context length."""
+    context = target.config.context_length
+    if validation.positive_int(max_context, "max_context") > context:
+        raise ArgumentError(f"max_context {max_context} exceeds the context length {context} of {target.path}")
     decoder = Decoder.for_prompts(target, drafter, speculative=drafter is not None, lengths=[1] * max_batch,
                                   max_new_tokens=1, verify="exact", width="adaptive", prefill_chunk=prefill_chunk,
                                   sample=True)
