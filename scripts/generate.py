@@ -37,12 +37,15 @@ _PROMPTS_FILE = flags.DEFINE_string("prompts_file", None, "Prompts file: one per
 flags.DEFINE_alias("prompts-file", "prompts_file")
 _CHAT = flags.DEFINE_bool("chat", False, "Apply the DeepSeek-V4 chat template to text prompts.")
 _THINKING = flags.DEFINE_bool("thinking", False, "With --chat: open a thinking block in the generation prompt.")
-_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 32, "Tokens to generate per prompt.")
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 32, "Tokens to generate per prompt.", lower_bound=1)
 _MODE = flags.DEFINE_enum("mode", "spec", ["spec", "ar"], "Speculative (with the drafter) or plain decoding.")
 _VERIFY = flags.DEFINE_enum("verify", "exact", ["exact", "fast", "lossless"],
                             "exact: token-identical to AR (greedy or sampled with the same seed); fast: per-q "
                             "programs; lossless: when sampling, the target's distribution with more accepted.")
 _Q = flags.DEFINE_string("q", "adaptive", "Verify width: 'adaptive' or a fixed 1..block_size+1.")
+# its upper bound is the drafter's, known once it loads; the form is checked before anything loads
+flags.register_validator("q", lambda q: q == "adaptive" or (q.isascii() and q.isdigit() and int(q) >= 1),
+                         "--q must be 'adaptive' or an integer >= 1")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
 _QAT = flags.DEFINE_bool("simulate_qat", True, "FP8 KV / FP4 indexer rounding of the official model.")
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 is greedy.")

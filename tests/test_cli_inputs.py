@@ -101,6 +101,9 @@ def test_sampling_flags():
     (["--prompt_ids=1", "--output={tmp}/no/such/dir/out.jsonl"],
      "error: --output {tmp}/no/such/dir/out.jsonl: directory {tmp}/no/such/dir does not exist"),
     (["--prompt_ids=1", "--temperature=0.7", "--top_p=0"], "error: --top_p must be in (0, 1] (1: off), got 0.0"),
+    (["--prompt_ids=1", "--max_new_tokens=0"], "flag --max_new_tokens=0: 0 is not a positive integer"),
+    (["--prompt_ids=1", "--q=0"], "flag --q=0: --q must be 'adaptive' or an integer >= 1"),
+    (["--prompt_ids=1", "--q=wide"], "flag --q=wide: --q must be 'adaptive' or an integer >= 1"),
 ])
 def test_generate_script_refuses_bad_inputs_before_loading(tmp_path, flags, expected):
     """Exit status 1, one clear line, no traceback, and nothing loaded or generated (so it is quick)."""
