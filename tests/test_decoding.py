@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -55,6 +56,25 @@ def test_drafter_absorb_wider_than_its_rings_is_refused():
     features = jnp.zeros((1, 7, len(drafter.capture_layers), drafter.config.hidden_size), jnp.float32)
     with pytest.raises(CapacityError, match="7 rows, wider than its context state's max_step 6"):
         drafter.absorb(state, features, jnp.arange(7, dtype=jnp.int32)[None, :], invariant=True)
+
+
+def test_a_prefill_leaves_the_other_rows_proposals_as_they_were():
+    """A prefill chunk writes rows of every sequence from its seed's position on, committing none for those it
+    does not prefill. With chunks as wide as the state's steps (generate's default, 16), the drafter's rings
+    lost the oldest position of a running row's context to them, so another row's admission changed its
+    proposals: in lossless mode, its sampled tokens."""
+    target, drafter = tiny_pair_model()
+    decoder = Decoder(target, drafter, batch=2, max_len=64, max_step=6, prefill_chunk=6, verify="lossless",
+                      sample=True, capture_layers=drafter.capture_layers)
+
+    def proposal(loop):  # row 0's candidates and confidences, from the policy that decides lossless output
+        drafts = drafter.propose(loop.proposer, loop.seeds, loop.state.length, invariant=decoder.drafts_invariant)
+        return [np.asarray(x)[0] for x in drafts]
+
+    loop, _ = decoder.prefill(decoder.init(), {0: np.arange(1, 23)})  # a context of 22 > the drafter's window 16
+    alone = proposal(loop)
+    loop, _ = decoder.prefill(loop, {1: np.arange(30, 39)})
+    chex.assert_trees_all_equal(proposal(loop), alone)
 
 
 # -- programs: traced once per width, state donated --------------------------------------------------------

@@ -44,8 +44,13 @@ class DrafterState:
 
 
 def init_drafter_state(cfg: DrafterConfig, batch: int, max_step: int, dtype: jnp.dtype) -> DrafterState:
-    """Empty context rings sized window + widest absorbed step − 1, so rejected rows never evict visible ones."""
-    slots = ring.ring_size(cfg.sliding_window, max_step)
+    """Empty context rings sized window + widest absorbed step, so uncommitted rows never evict visible ones.
+
+    A proposal at seed position s reads the window s − window .. s − 1, and a step may absorb rows from s on
+    while committing none (a prefill chunk absorbs every row, also those it does not prefill): the ring spans
+    the window plus such a step, one slot more than a reader that sees its own position (the target's window).
+    """
+    slots = ring.ring_size(cfg.sliding_window + 1, max_step)
     kv = tuple(jnp.zeros((batch, slots, cfg.head_dim), dtype) for _ in range(cfg.num_stages))
     return DrafterState(kv, jnp.full((batch,), -1, jnp.int32), max_step)
 
