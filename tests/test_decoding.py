@@ -12,7 +12,7 @@ import pytest
 from model_helpers import VOCAB, fresh_state, step_fn, tiny_pair_model, tiny_target_model
 
 from dsparkjax.decoding.decoder import Decoder
-from dsparkjax.decoding.engine import Engine
+from dsparkjax.decoding.engine import Emitted, Engine
 from dsparkjax.decoding.generate import generate
 from dsparkjax.errors import ArgumentError, CapacityError
 from dsparkjax.model import ring
@@ -217,3 +217,30 @@ def test_decoder_sizes_must_be_positive_integers(field, value):
     sizes = dict(batch=1, max_len=64, max_step=6, prefill_chunk=4)
     with pytest.raises(ArgumentError, match=f"{field} must be an integer >= 1, got {value!r}"):
         Decoder(tiny_target_model(), None, **{**sizes, field: value})
+
+
+def test_a_row_without_room_is_refused_before_the_step_changes_anything():
+    """A row that reaches max_len (its prompt filled max_len minus the step room) while another is admitted: the
+    step is refused naming the row before the prefill runs (it ran first, and the refused step lost the first
+    token it emitted); once the row is released, the other one steps on with its own tokens."""
+    target = tiny_target_model()
+    decoder = Decoder(target, None, batch=2, max_len=64, max_step=8, prefill_chunk=8)
+    engine = Engine(decoder)
+    row = engine.admit([7, 8, 9])
+    alone = []
+    while len(alone) < 4:
+        alone += engine.step().get(row, Emitted([])).tokens
+    engine = Engine(decoder)
+    full = engine.admit(list(range(1, 57)))  # 56 tokens: max_len - max_step, the longest prompt admitted
+    with pytest.raises(CapacityError, match=rf"running rows \[{full}\].* max_len 64; release them"):
+        for _ in range(64):
+            engine.step()
+    row = engine.admit([7, 8, 9])
+    with pytest.raises(CapacityError, match=rf"running rows \[{full}\]"):
+        engine.step()
+    engine.release(full)
+    got = []
+    while len(got) < 4:
+        got += engine.step().get(row, Emitted([])).tokens
+    assert got[:4] == alone[:4]
+

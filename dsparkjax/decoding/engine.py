@@ -11,6 +11,9 @@ give alone.
 Step k + 1 is queued before step k is read back, so the device never waits for the host; a row released
 after step k has had step k + 1 run for nothing. Speculative decoding reads each step back at once instead:
 its next program width is the widest of the proposer's widths over the running rows.
+
+A step that a running row has no room for (it could commit past max_len) is refused before anything changes,
+naming the row: release it and step on.
 """
 
 from __future__ import annotations
@@ -128,7 +131,10 @@ class Engine:
 
     def step(self) -> dict[int, Emitted]:
         """Prefill new rows, queue a decode step of the running rows, and return what rows emitted since the
-        last call (the step read back: the previous one when steps queue ahead)."""
+        last call (the step read back: the previous one when steps queue ahead).
+
+        CapacityError, before anything changes, when a running row could be committed past max_len."""
+        self._check_room()
         emitted = self.prefill()
         queued = self._dispatch() if self._running else None
         if self._queue_ahead:
@@ -138,14 +144,28 @@ class Engine:
             emitted[row] = out if first is None else dataclasses.replace(out, tokens=first.tokens + out.tokens)
         return emitted
 
+    def _check_room(self) -> None:
+        """Refuse a step whose widest program could commit a running row past max_len. The width is chosen only
+        after the prefill, which must not run for a refused step: it would emit first tokens never returned."""
+        widest = max(self.decoder.widths)
+        full = [row for row in self._running if self._lengths[row] + self._ahead + widest > self.decoder.max_len]
+        if full:
+            raise CapacityError(f"no room for a step of up to {widest} rows in running rows {full}: after up to "
+                                f"{int(self._lengths[full].max()) + self._ahead} committed tokens it passes the "
+                                f"decode state's max_len {self.decoder.max_len}; release them")
+
+    @property
+    def _ahead(self) -> int:
+        """An upper bound of the tokens the queued, unread step commits per row."""
+        return self._in_flight.width if self._in_flight is not None else 0
+
     def _dispatch(self) -> _InFlight:
         running = np.zeros(self.decoder.batch, bool)
         running[list(self._running)] = True
         if (running != self._mask).any():  # a new mask only when rows changed: the same buffer otherwise
             self._mask = running
             self.loop = self.loop.replace(active=jnp.asarray(running))
-        ahead = self._in_flight.width if self._in_flight is not None else 0
-        self.loop, outcome, widths = self.decoder.step(self.loop, running, self._lengths + ahead)
+        self.loop, outcome, widths = self.decoder.step(self.loop, running, self._lengths + self._ahead)
         return _InFlight(outcome, widths, dict(self._running), max(self.decoder.widths))
 
     def _read(self, queued: _InFlight | None) -> dict[int, Emitted]:
