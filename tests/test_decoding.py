@@ -14,9 +14,10 @@ from model_helpers import VOCAB, fresh_state, step_fn, tiny_pair_model, tiny_tar
 from dsparkjax.decoding.decoder import Decoder
 from dsparkjax.decoding.engine import Emitted, Engine
 from dsparkjax.decoding.generate import generate
-from dsparkjax.errors import ArgumentError, CapacityError
+from dsparkjax.decoding.width import WidthPolicy
+from dsparkjax.errors import ArgumentError, CapacityError, DsparkError, TokenIdError
 from dsparkjax.model import ring
-from dsparkjax.testing.oracle import oracle_for
+from dsparkjax.testing.oracle import OracleProposer, oracle_for
 
 
 # -- rings and capacity ------------------------------------------------------------------------------------
@@ -244,3 +245,16 @@ def test_a_row_without_room_is_refused_before_the_step_changes_anything():
         got += engine.step().get(row, Emitted([])).tokens
     assert got[:4] == alone[:4]
 
+
+def test_an_engine_whose_step_raised_part_way_refuses_to_go_on():
+    """A draft outside the vocabulary is found when its step is read back, after the device committed the step:
+    the engine went on without that step's tokens (silently wrong output); now it refuses every later step."""
+    target = tiny_target_model()
+    bad = OracleProposer(np.zeros((1, 64), np.int32), np.zeros((1, 64), bool), VOCAB, bad_id=VOCAB + 5)
+    engine = Engine(Decoder(target, bad, batch=1, max_len=64, max_step=6, prefill_chunk=4,
+                            policy=WidthPolicy("fixed", fixed_q=2, max_q=2)))
+    engine.admit([1, 2, 3])
+    with pytest.raises(TokenIdError, match=f"drafted token id {VOCAB + 5}"):
+        engine.step()
+    with pytest.raises(DsparkError, match="raised part way.*build a new Engine"):
+        engine.step()

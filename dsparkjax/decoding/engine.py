@@ -13,13 +13,16 @@ after step k has had step k + 1 run for nothing. Speculative decoding reads each
 its next program width is the widest of the proposer's widths over the running rows.
 
 A step that a running row has no room for (it could commit past max_len) is refused before anything changes,
-naming the row: release it and step on.
+naming the row: release it and step on. A step or prefill that raises part way (an out-of-vocabulary draft
+read back after the device committed the step) leaves the device state ahead of what the host read, so the
+engine refuses every later step: build a new one on its decoder.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +32,7 @@ from dsparkjax import validation
 from dsparkjax.decoding.decoder import Decoder
 from dsparkjax.decoding.program import StepOutcome
 from dsparkjax.decoding.sampling import GREEDY, RowSampling, SamplingParams, check_seed
-from dsparkjax.errors import ArgumentError, CapacityError, TokenIdError
+from dsparkjax.errors import ArgumentError, CapacityError, DsparkError, TokenIdError
 
 
 @dataclasses.dataclass
@@ -70,6 +73,7 @@ class Engine:
         self._mask = np.zeros(decoder.batch, bool)  # the active mask the loop state holds
         self._in_flight: _InFlight | None = None
         self._queue_ahead = decoder.proposer is None  # a speculative step's width is read back first
+        self._torn = False  # a step or prefill raised part way: the device may hold what the host never read
 
     @property
     def free_rows(self) -> list[int]:
@@ -117,32 +121,40 @@ class Engine:
 
     def prefill(self) -> dict[int, Emitted]:
         """Prefill the admitted rows (batched): row -> its first token."""
-        if not self._pending:
-            return {}
-        if self._sampling_changed:  # new arrays only when an admission changed a row's parameters
-            self.loop = self.loop.replace(sampling=RowSampling.of(self._sampling, self._seeds))
-            self._sampling_changed = False
-        self.loop, first = self.decoder.prefill(self.loop, self._pending)
-        for row, prompt in self._pending.items():
-            self._lengths[row] = len(prompt)
-            self._running[row] = self._ticket_of[row]
-        self._pending = {}
-        return {row: Emitted([token]) for row, token in first.items()}
+        with self._whole():
+            return self._prefill()
 
     def step(self) -> dict[int, Emitted]:
         """Prefill new rows, queue a decode step of the running rows, and return what rows emitted since the
         last call (the step read back: the previous one when steps queue ahead).
 
         CapacityError, before anything changes, when a running row could be committed past max_len."""
+        self._check_usable()
         self._check_room()
-        emitted = self.prefill()
-        queued = self._dispatch() if self._running else None
-        if self._queue_ahead:
-            queued, self._in_flight = self._in_flight, queued
-        for row, out in self._read(queued).items():  # a row prefilled in this call emitted its first token before
-            first = emitted.get(row)
-            emitted[row] = out if first is None else dataclasses.replace(out, tokens=first.tokens + out.tokens)
-        return emitted
+        with self._whole():
+            emitted = self._prefill()
+            queued = self._dispatch() if self._running else None
+            if self._queue_ahead:
+                queued, self._in_flight = self._in_flight, queued
+            for row, out in self._read(queued).items():  # a row prefilled in this call emitted its first token before
+                first = emitted.get(row)
+                emitted[row] = out if first is None else dataclasses.replace(out, tokens=first.tokens + out.tokens)
+            return emitted
+
+    def _check_usable(self) -> None:
+        """Refuse to go on after a step or prefill that raised part way (`_whole`)."""
+        if self._torn:
+            raise DsparkError("an earlier step() or prefill() of this engine raised part way, so its rows' device "
+                              "state may be ahead of the tokens they emitted; build a new Engine on its decoder")
+
+    @contextlib.contextmanager
+    def _whole(self) -> Iterator[None]:
+        """Run a change of the loop state and the host's bookkeeping that must not stop part way: if it raises,
+        every later one is refused (the device may have committed tokens the caller never got)."""
+        self._check_usable()
+        self._torn = True
+        yield
+        self._torn = False
 
     def _check_room(self) -> None:
         """Refuse a step whose widest program could commit a running row past max_len. The width is chosen only
@@ -158,6 +170,19 @@ class Engine:
     def _ahead(self) -> int:
         """An upper bound of the tokens the queued, unread step commits per row."""
         return self._in_flight.width if self._in_flight is not None else 0
+
+    def _prefill(self) -> dict[int, Emitted]:
+        if not self._pending:
+            return {}
+        if self._sampling_changed:  # new arrays only when an admission changed a row's parameters
+            self.loop = self.loop.replace(sampling=RowSampling.of(self._sampling, self._seeds))
+            self._sampling_changed = False
+        self.loop, first = self.decoder.prefill(self.loop, self._pending)
+        for row, prompt in self._pending.items():
+            self._lengths[row] = len(prompt)
+            self._running[row] = self._ticket_of[row]
+        self._pending = {}
+        return {row: Emitted([token]) for row, token in first.items()}
 
     def _dispatch(self) -> _InFlight:
         running = np.zeros(self.decoder.batch, bool)
