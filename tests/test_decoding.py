@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import chex
@@ -9,11 +10,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from model_helpers import VOCAB, fresh_state, step_fn, tiny_pair_model, tiny_target_model
 
 from dsparkjax.decoding.decoder import Decoder
 from dsparkjax.decoding.engine import Emitted, Engine
 from dsparkjax.decoding.generate import generate
+from dsparkjax.decoding.sampling import GREEDY, SamplingParams
 from dsparkjax.decoding.width import WidthPolicy
 from dsparkjax.errors import ArgumentError, CapacityError, DsparkError, TokenIdError
 from dsparkjax.model import ring
@@ -258,3 +262,121 @@ def test_an_engine_whose_step_raised_part_way_refuses_to_go_on():
         engine.step()
     with pytest.raises(DsparkError, match="raised part way.*build a new Engine"):
         engine.step()
+
+
+# -- the engine under random schedules ---------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TableProposer:
+    """Proposes `table[p, s]`, the token after token s at position p in a known run, whichever row the sequence
+    is in, with confidence `confidence[p, s]`: acceptances and rejections for sequences admitted at any time."""
+
+    table: np.ndarray  # int32 [P, V]
+    confidence: np.ndarray  # float32 [P, V]
+    block_size: int = 5
+    capture_layers: tuple[int, ...] = ()
+    has_confidence: bool = True
+    width_thresholds: tuple[float, ...] | None = None
+
+    def init_state(self, batch, max_step):
+        return jnp.asarray(self.table), jnp.asarray(self.confidence)
+
+    def precompile(self, state, widths, sampled=None, *, invariant):
+        pass
+
+    def absorb(self, state, features, positions, *, invariant):
+        return state
+
+    def propose(self, state, seeds, seed_pos, *, invariant):
+        return _table_lookup(*state, seeds, seed_pos, self.block_size)
+
+    def propose_sampled(self, state, seeds, seed_pos, rows, purpose, with_logits, *, invariant):
+        assert not with_logits  # exact mode: a candidate is accepted iff it is the target's keyed sample
+        return (*self.propose(state, seeds, seed_pos, invariant=invariant), None)
+
+
+@functools.partial(jax.jit, static_argnums=(4,))
+def _table_lookup(table, confidence, seeds, seed_pos, block):
+    previous, candidates, confidences = seeds, [], []
+    for i in range(block):
+        at = jnp.minimum(seed_pos + i, table.shape[0] - 1)
+        candidates.append(table[at, previous])
+        confidences.append(confidence[at, previous])
+        previous = candidates[-1]
+    return jnp.stack(candidates, axis=1), jnp.stack(confidences, axis=1)
+
+
+SCHEDULE_PARAMS = [GREEDY, SamplingParams(0.8), SamplingParams(1.0, top_p=0.8), SamplingParams(1.3, top_k=20)]
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+@settings(max_examples=3, deadline=None, derandomize=True)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_engine_rows_follow_random_schedules_with_each_sequences_own_tokens(speculative, seed):
+    """Sequences admitted at random steps and released at random points (right after admission, mid-run, a row
+    freed and taken again in the same gap), greedy and sampled rows mixed, prompts of one to four prefill chunks,
+    runs across window wraps and compressor boundaries: each finished sequence's tokens equal `generate` on it
+    alone, and a released one's are a prefix of them (a released sequence may be admitted again). Speculative
+    engines propose the plain runs' tokens (wrong at 30 %) at widths 1..3 that the other rows' widths widen, so
+    steps accept and reject."""
+    target, _ = tiny_pair_model()
+    rng = np.random.default_rng(seed)
+    sequences = []
+    for _ in range(int(rng.integers(4, 8))):
+        prompt = rng.integers(0, VOCAB, int(rng.integers(1, 14))).tolist()
+        params = SCHEDULE_PARAMS[int(rng.integers(0, len(SCHEDULE_PARAMS)))]
+        sequences.append((prompt, int(rng.integers(1, 25)), params, int(rng.integers(0, 2**32))))
+    alone = [generate(target, [prompt], max_new_tokens=n, stop_tokens=(), prefill_chunk=4, seed=seed,
+                      temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)[0].token_ids
+             for prompt, n, params, seed in sequences]
+    proposer, policy = None, WidthPolicy("fixed", fixed_q=1, max_q=1)
+    if speculative:
+        table = np.zeros((64, VOCAB), np.int32)
+        confidence = np.full((64, VOCAB), 0.2, np.float32)
+        for (prompt, _, _, _), tokens in zip(sequences, alone):
+            run = prompt + tokens
+            for p in range(len(run) - 1):
+                wrong = rng.random() < 0.3
+                table[p, run[p]] = (run[p + 1] + wrong) % VOCAB
+                confidence[p, run[p]] = 0.3 if wrong else 0.95
+        proposer, policy = TableProposer(table, confidence), WidthPolicy("confidence", max_q=3)
+    engine = Engine(Decoder(target, proposer, batch=3, max_len=64, max_step=6, prefill_chunk=4, policy=policy,
+                            sample=True))
+    waiting, rows, got, done = list(range(len(sequences))), {}, {}, 0
+
+    def admit():
+        i = waiting.pop(0)
+        prompt, _, params, seed = sequences[i]
+        row = engine.admit(prompt, params, seed)
+        rows[row], got[i] = i, []
+        return row
+
+    def release(row):
+        engine.release(row)
+        i = rows.pop(row)
+        n = min(len(got[i]), len(alone[i]))  # a step may emit more than the tokens asked for
+        assert got[i][:n] == alone[i][:n], f"sequence {i} {sequences[i]}"
+        return i
+
+    while rows or waiting:
+        while waiting and engine.free_rows and rng.random() < 0.8:
+            admit()
+        action = rng.random()
+        if action < 0.03 and rows:  # mid-run, and maybe again later from its start
+            i = release(list(rows)[int(rng.integers(0, len(rows)))])
+            if rng.random() < 0.5:
+                waiting.append(i)
+        elif action < 0.08 and waiting and engine.free_rows:  # right after admission
+            waiting.append(rows[admit()])
+            release(next(reversed(rows)))
+        elif action < 0.13 and rows and waiting:  # and the row taken again at once
+            release(list(rows)[int(rng.integers(0, len(rows)))])
+            admit()
+        for row, out in engine.step().items():
+            i = rows[row]
+            got[i] += out.tokens
+            if len(got[i]) >= sequences[i][1]:
+                release(row)
+                done += 1
+    assert done > 0
