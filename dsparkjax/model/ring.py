@@ -19,11 +19,6 @@ def ring_size(span: int, max_step: int) -> int:
     return span + max_step - 1
 
 
-def max_step_of(slots: int, span: int) -> int:
-    """The widest step a ring of `slots` slots with look-back `span` was built for (`ring_size` inverted)."""
-    return slots - span + 1
-
-
 def stack_index(layer: jax.Array | None) -> tuple[jax.Array, ...]:
     """The leading index of a buffer's layer: none for one layer's buffer, `(layer,)` into a stack `[L, ...]`."""
     return () if layer is None else (layer,)
