@@ -13,7 +13,8 @@ from dsparkjax.errors import ArgumentError
 
 
 def token_ids(value: Any, what: str, ndim: int) -> np.ndarray:
-    """`value` as an int64 array of `ndim` axes of token ids; strings, floats, ragged rows are refused."""
+    """`value` as an int64 array of `ndim` axes of token ids; strings, floats, ragged rows and ids beyond int64
+    are refused (an id past int64 is named: it would wrap to a negative id, or read as a ragged or float row)."""
     if isinstance(value, (str, bytes)):
         raise ArgumentError(f"{what} must be token ids (integers), got a string: tokenize it first "
                             f"(target.tokenizer.encode)")
@@ -22,6 +23,8 @@ def token_ids(value: Any, what: str, ndim: int) -> np.ndarray:
     except ValueError:
         raise ArgumentError(f"{what} must be a rectangular array of token ids, got rows of different lengths"
                             ) from None
+    if array.dtype.kind in "uOf":  # numpy holds ints past int64 as uint64, objects, or floats (2**63 with -1)
+        _check_int64(value, array, what)
     if array.dtype == object:
         raise ArgumentError(f"{what} must be a rectangular array of token ids, got ragged or mixed rows")
     if array.size and array.dtype.kind not in "iu":
@@ -30,6 +33,26 @@ def token_ids(value: Any, what: str, ndim: int) -> np.ndarray:
     if array.ndim != ndim:
         raise ArgumentError(f"{what} must have {ndim} axes of token ids, got shape {array.shape}")
     return array.astype(np.int64)
+
+
+_INT64 = np.iinfo(np.int64)
+
+
+def _check_int64(value: Any, array: np.ndarray, what: str) -> None:
+    """Refuse, naming it, the first integer of `value` (converted to `array`) outside int64."""
+    if array.dtype.kind == "u":
+        ids = array.ravel()
+        bad = ids[ids > _INT64.max]
+        first = int(bad[0]) if bad.size else None
+    else:  # Python ints: read them back as objects (a ragged value has none to name)
+        try:
+            flat = np.asarray(value, dtype=object).ravel()
+        except ValueError:
+            return
+        first = next((int(v) for v in flat if isinstance(v, numbers.Integral) and not isinstance(v, bool)
+                      and not _INT64.min <= v <= _INT64.max), None)
+    if first is not None:
+        raise ArgumentError(f"{what} holds token id {first}, outside the int64 range of token ids")
 
 
 def prompt_list(prompts: Any) -> list[np.ndarray]:

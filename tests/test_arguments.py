@@ -34,6 +34,20 @@ def test_ragged_prompts_are_refused_where_rows_must_be_rectangular(target):
         generate(target, [[1, [2, 3]]])
 
 
+@pytest.mark.parametrize("ids, first", [
+    (np.array([5, 2**64 - 1], np.uint64), 2**64 - 1),  # wrapped to -1 in int64: the error named id -1
+    ([5, 2**63], 2**63),  # numpy makes it uint64: wrapped the same way
+    ([2**63, -1], 2**63),  # numpy makes it float64: "must hold integer token ids, got dtype float64"
+    ([5, 2**70], 2**70),  # numpy makes it an object array: "ragged or mixed rows"
+    ([5, -(2**70)], -(2**70)),
+])
+def test_token_ids_past_int64_are_named(target, ids, first):
+    with pytest.raises(ArgumentError, match=f"prompt 0 holds token id {first}, outside the int64 range"):
+        generate(target, [ids])
+    with pytest.raises(ArgumentError, match=f"token_ids holds token id {first}, outside the int64 range"):
+        forward(target, [ids])
+
+
 def test_string_prompts_are_refused(target):
     with pytest.raises(ArgumentError, match="prompts must be a list of token-id lists, got str"):
         generate(target, "hello")
