@@ -86,9 +86,16 @@ def choice(value: Any, name: str, choices: Sequence[Any]) -> Any:
 
 
 def temperature(value: Any) -> float:
-    """A finite real >= 0 (0 is greedy)."""
+    """A finite real >= 0 (0 is greedy) that float32, the rows' dtype, holds: one that overflows to inf would
+    sample uniformly, a positive one that rounds to 0 would decode greedily."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
         raise ArgumentError(f"temperature must be a finite number >= 0 (0: greedy), got {value!r}")
+    with np.errstate(over="ignore"):
+        held = np.float32(value)
+    if not np.isfinite(held) or (value > 0 and held == 0):
+        f32 = np.finfo(np.float32)
+        raise ArgumentError(f"temperature {value!r} does not survive float32 (it becomes {held}): use 0 (greedy) or "
+                            f"a value in [{f32.smallest_subnormal:.3g}, {f32.max:.3g}]")
     return float(value)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -85,6 +86,14 @@ def test_unknown_mode_or_verification_is_refused(target, argument):
 @pytest.mark.parametrize("value", [math.nan, -0.5, math.inf, "hot"])
 def test_temperature_must_be_finite_and_not_negative(target, value):
     with pytest.raises(ArgumentError, match="temperature must be a finite number >= 0"):
+        generate(target, [[1, 2]], temperature=value)
+
+
+@pytest.mark.parametrize("value, held", [(1e300, "inf"), (1e-300, "0.0")])
+def test_a_temperature_float32_does_not_hold_is_refused(target, value, held):
+    """float32 rows made 1e300 inf (uniform sampling) and 1e-300 zero (silently greedy)."""
+    message = re.escape(f"temperature {value!r} does not survive float32 (it becomes {held})")
+    with pytest.raises(ArgumentError, match=message):
         generate(target, [[1, 2]], temperature=value)
 
 

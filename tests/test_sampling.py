@@ -35,6 +35,8 @@ def ids(results) -> list[list[int]]:
 @pytest.mark.parametrize("kwargs, message", [
     (dict(temperature=-0.1), "temperature must be a finite number >= 0"),
     (dict(temperature=float("nan")), "temperature must be a finite number"),
+    (dict(temperature=1e300), r"temperature 1e\+300 does not survive float32 \(it becomes inf\)"),
+    (dict(temperature=1e-300), r"temperature 1e-300 does not survive float32 \(it becomes 0.0\)"),
     (dict(top_k=-1), "top_k must be an integer >= 0"),
     (dict(top_k=2.5), "top_k must be an integer >= 0"),
     (dict(top_k=2**31), r"top_k must be an integer >= 0 .*and < 2\*\*31"),  # the rows hold int32

@@ -279,6 +279,7 @@ BAD_REQUESTS = [
     (_body(temperature=-1), 400, "temperature"),
     (_body(temperature=2.5), 400, "temperature"),
     (_body(temperature="warm"), 400, "temperature"),
+    (_body(temperature=1e-300), 400, "temperature"),  # 0 in float32: was silently greedy
     (_body(top_p=0), 400, "top_p"),
     (_body(top_p="high"), 400, "top_p"),
     (_body(seed=1.5), 400, "seed"),

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from dsparkjax import validation
 from dsparkjax.errors import ArgumentError
 
 TARGET, DRAFT, ACCEPT, RESIDUAL = 0, 1, 2, 3  # noise purposes (the last fold_in of a draw's key)
@@ -51,8 +52,8 @@ def _real(value: Any, name: str) -> float:
 class SamplingParams:
     """How a sequence samples (module docstring: the warping order). The defaults are greedy decoding.
 
-    temperature: >= 0, 0 is greedy; top_k: an integer in [0, 2**31), 0 keeps every token; top_p: in (0, 1], 1
-    keeps every token; min_p: in [0, 1], 0 keeps every token.
+    temperature: >= 0, 0 is greedy, one that float32 holds (`validation.temperature`); top_k: an integer in
+    [0, 2**31), 0 keeps every token; top_p: in (0, 1], 1 keeps every token; min_p: in [0, 1], 0 keeps every token.
     """
 
     temperature: float = 0.0
@@ -61,8 +62,7 @@ class SamplingParams:
     min_p: float = 0.0
 
     def __post_init__(self) -> None:
-        if _real(self.temperature, "temperature") < 0:
-            raise ArgumentError(f"temperature must be a finite number >= 0 (0: greedy), got {self.temperature!r}")
+        validation.temperature(self.temperature)
         if (isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral)
                 or not 0 <= self.top_k <= MAX_TOP_K):
             raise ArgumentError(f"top_k must be an integer >= 0 (0: off) and < 2**31, got {self.top_k!r}")

@@ -17,7 +17,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from dsparkjax import chat
+from dsparkjax import chat, validation
 from dsparkjax.decoding.sampling import MAX_SEED
 from dsparkjax.errors import ArgumentError
 from dsparkjax.tokenizer import Tokenizer
@@ -177,6 +177,10 @@ def _sampling(body: dict[str, Any]) -> SamplingFields:
     temperature = _optional(body, "temperature", float, 0.0)
     if not 0 <= temperature <= 2:
         raise RequestError(f"temperature must be in [0, 2], got {temperature}", param="temperature")
+    try:
+        validation.temperature(temperature)  # one float32 rounds to 0 would decode greedily
+    except ArgumentError as e:
+        raise RequestError(str(e), param="temperature") from None
     top_p = _optional(body, "top_p", float, 1.0)
     if not 0 < top_p <= 1:
         raise RequestError(f"top_p must be in (0, 1], got {top_p}", param="top_p")
