@@ -199,6 +199,18 @@ def test_sampled_requests_with_seeds_equal_generate_alone(served):
     assert texts[0] != texts[2]  # another seed, another sample of the same prompt
 
 
+def test_top_k_and_min_p_reach_the_engine(served):
+    """vLLM's top_k and min_p (were ignored as unknown fields): keeping only the most probable token makes a hot
+    sampled request greedy; top_k -1 is off, as in vLLM."""
+    def ask(**filters) -> str:
+        return served.client().completions.create(model=EMBEDDED_MODEL, prompt=PROMPTS[1], max_tokens=24,
+                                                  temperature=2.0, seed=5, extra_body=filters).choices[0].text
+
+    greedy, hot = served.expected(served.text_ids(PROMPTS[1]), 24)[0], ask()
+    assert hot != greedy
+    assert ask(top_k=1) == greedy and ask(min_p=1.0) == greedy and ask(top_k=-1) == hot
+
+
 def test_a_sampled_request_without_a_seed_gets_a_fresh_one():
     fields = SamplingFields(temperature=0.7, top_p=0.9)
     first, second = admission_options(fields), admission_options(fields)
@@ -282,6 +294,12 @@ BAD_REQUESTS = [
     (_body(temperature=1e-300), 400, "temperature"),  # 0 in float32: was silently greedy
     (_body(top_p=0), 400, "top_p"),
     (_body(top_p="high"), 400, "top_p"),
+    (_body(top_k=-2), 400, "top_k"),  # vLLM's top_k and min_p: were ignored as unknown fields
+    (_body(top_k=1.5), 400, "top_k"),
+    (_body(top_k=2**31), 400, "top_k"),
+    (_body(min_p=-0.1), 400, "min_p"),
+    (_body(min_p=1.5), 400, "min_p"),
+    (_body(min_p="low"), 400, "min_p"),
     (_body(seed=1.5), 400, "seed"),
     (_body(seed=-1), 400, "seed"),
     (_body(seed=2**32), 400, "seed"),

@@ -18,7 +18,7 @@ import uuid
 from typing import Any, Literal
 
 from dsparkjax import chat, validation
-from dsparkjax.decoding.sampling import MAX_SEED
+from dsparkjax.decoding.sampling import MAX_SEED, MAX_TOP_K
 from dsparkjax.errors import ArgumentError
 from dsparkjax.tokenizer import Tokenizer
 
@@ -48,10 +48,13 @@ class RequestError(ArgumentError):
 
 @dataclasses.dataclass(frozen=True)
 class SamplingFields:
-    """A request's sampling fields, range-checked: temperature 0 is greedy (`sampling` maps them on the engine)."""
+    """A request's sampling fields, range-checked: temperature 0 is greedy, top_k 0, top_p 1 and min_p 0 keep
+    every token (`sampling` maps them on the engine)."""
 
     temperature: float = 0.0
+    top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
     seed: int | None = None
 
 
@@ -181,13 +184,19 @@ def _sampling(body: dict[str, Any]) -> SamplingFields:
         validation.temperature(temperature)  # one float32 rounds to 0 would decode greedily
     except ArgumentError as e:
         raise RequestError(str(e), param="temperature") from None
+    top_k = _optional(body, "top_k", int, 0)  # vLLM's extension field, as are min_p and its -1
+    if not -1 <= top_k <= MAX_TOP_K:
+        raise RequestError(f"top_k must be an integer in [-1, 2**31) (-1 or 0: off), got {top_k}", param="top_k")
     top_p = _optional(body, "top_p", float, 1.0)
     if not 0 < top_p <= 1:
         raise RequestError(f"top_p must be in (0, 1], got {top_p}", param="top_p")
+    min_p = _optional(body, "min_p", float, 0.0)
+    if not 0 <= min_p <= 1:
+        raise RequestError(f"min_p must be in [0, 1] (0: off), got {min_p}", param="min_p")
     seed = _optional(body, "seed", int, None)
     if seed is not None and not 0 <= seed <= MAX_SEED:
         raise RequestError(f"seed must be an integer in [0, 2**32), got {seed}", param="seed")
-    return SamplingFields(temperature, top_p, seed)
+    return SamplingFields(temperature=temperature, top_k=max(top_k, 0), top_p=top_p, min_p=min_p, seed=seed)
 
 
 def _optional(body: dict[str, Any], field: str, kind: type, default: Any, param: str | None = None) -> Any:
