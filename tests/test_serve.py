@@ -24,6 +24,7 @@ uvicorn = pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 
 import jax  # noqa: E402
+from starlette.requests import Request  # noqa: E402
 
 from dsparkjax import chat  # noqa: E402
 from dsparkjax.decoding.generate import generate  # noqa: E402
@@ -32,9 +33,9 @@ from dsparkjax.decoding.sampling import SamplingParams  # noqa: E402
 from dsparkjax.embedded import embedded_pair  # noqa: E402
 from dsparkjax.errors import ArgumentError  # noqa: E402
 from dsparkjax.serve import EMBEDDED_MODEL  # noqa: E402
-from dsparkjax.serve.app import build_app  # noqa: E402
+from dsparkjax.serve.app import build_app, read_body  # noqa: E402
 from dsparkjax.serve.metrics import Metrics  # noqa: E402
-from dsparkjax.serve.protocol import GenerationRequest, SamplingFields  # noqa: E402
+from dsparkjax.serve.protocol import MAX_BODY_BYTES, GenerationRequest, RequestError, SamplingFields  # noqa: E402
 from dsparkjax.serve.sampling import admission_options  # noqa: E402
 from dsparkjax.serve.scheduler import Job, QueueFull, Scheduler, serving_engine  # noqa: E402
 from dsparkjax.serve.text import TextStream  # noqa: E402
@@ -90,6 +91,15 @@ class _Served:
         status, data = response.status, response.read()
         conn.close()
         return status, json.loads(data) if data.startswith((b"{", b"[")) else {"text": data.decode()}
+
+    def send(self, head: bytes, body: bytes = b"") -> tuple[int, dict]:
+        """POST /v1/completions with the header lines `head` (for framing no client sends): (status, JSON body)."""
+        with socket.create_connection(("127.0.0.1", self.port), timeout=60) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" + head
+                         + b"\r\n" + body)
+            response = http.client.HTTPResponse(sock)
+            response.begin()
+            return response.status, json.loads(response.read())
 
     def metric(self, name: str) -> float:
         """The sum of a metric's samples whose name and labels start with `name` (Prometheus text format)."""
@@ -321,6 +331,38 @@ def test_bad_requests_get_an_openai_error(served, body, status, param):
     got, answer = served.raw("POST", "/v1/completions", body)
     assert got == status
     assert answer["error"]["param"] == param and answer["error"]["message"] and answer["error"]["type"]
+
+
+def test_a_body_past_the_limit_gets_413_before_it_is_read(served):
+    """Any body was read whole. The limit is checked from Content-Length: this request never sends its body."""
+    got, answer = served.send(b"Content-Length: %d\r\n" % (MAX_BODY_BYTES + 1))
+    assert got == 413 and answer["error"]["code"] == "request_too_large"
+    assert f"limit of {MAX_BODY_BYTES} bytes" in answer["error"]["message"]
+
+
+def test_a_chunked_body_without_a_content_length_gets_411(served):
+    """Its size is not known before it is read."""
+    body = _body()
+    got, answer = served.send(b"Transfer-Encoding: chunked\r\n", b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
+    assert got == 411 and answer["error"]["code"] == "length_required"
+
+
+@pytest.mark.parametrize("length, refusal", [
+    (b"10", None), (b"11", "exceeds this server's limit of 10 bytes"), (b"-5", "Content-Length must be a decimal"),
+    (b"abc", "Content-Length must be a decimal"), (b"5, 6", "Content-Length must be a decimal"),
+    (b"\xb2", "Content-Length must be a decimal"),  # latin-1 "²": str.isdigit() takes it, int() does not
+])
+def test_the_body_limit_reads_content_length_strictly(length, refusal):
+    """uvicorn answers a negative or non-numeric Content-Length itself; another ASGI server may pass it on."""
+    async def receive() -> dict:
+        return {"type": "http.request", "body": b"x" * 10, "more_body": False}
+
+    http = Request({"type": "http", "headers": [(b"content-length", length)]}, receive)
+    if refusal is None:
+        assert asyncio.run(read_body(http, 10)) == b"x" * 10
+    else:
+        with pytest.raises(RequestError, match=refusal):
+            asyncio.run(read_body(http, 10))
 
 
 @pytest.mark.parametrize("messages", [[], [{"role": "robot", "content": "x"}], [{"role": "user", "content": 5}],

@@ -19,6 +19,7 @@ from dsparkjax.cli_inputs import run_main
 from dsparkjax.pair import load_pair
 from dsparkjax.errors import DsparkError
 from dsparkjax.serve import EMBEDDED_MODEL
+from dsparkjax.serve.protocol import MAX_BODY_BYTES
 
 _TARGET = flags.DEFINE_string("target", None, "Target GGUF (default: the embedded tiny target).")
 _DRAFT = flags.DEFINE_string("draft", None, "DSpark drafter GGUF (default with the embedded target: its drafter).")
@@ -28,6 +29,8 @@ _MAX_BATCH = flags.DEFINE_integer("max_batch", 16, "Engine rows: requests decode
 _MAX_CONTEXT = flags.DEFINE_integer("max_context", None, "Positions per row: prompt plus generated tokens "
                                     "(default: the model's context length, at most 4096).", lower_bound=64)
 _MAX_QUEUE = flags.DEFINE_integer("max_queue", 64, "Requests that may wait for a row; more get 429.", lower_bound=0)
+_MAX_BODY_BYTES = flags.DEFINE_integer("max_body_bytes", MAX_BODY_BYTES, "The largest request body accepted; a "
+                                      "larger Content-Length gets 413 before the body is read.", lower_bound=1)
 _PREFILL_CHUNK = flags.DEFINE_integer("prefill_chunk", 16, "Prompt tokens per prefill step.", lower_bound=1)
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
 _MODEL_NAME = flags.DEFINE_string("served_model_name", None, "The model id clients send (default: the target "
@@ -59,7 +62,8 @@ def main(argv: list[str]) -> None:
     engine = serving_engine(target, drafter, max_batch=_MAX_BATCH.value, max_context=context,
                             prefill_chunk=_PREFILL_CHUNK.value)
     scheduler = Scheduler(engine, Metrics(), max_queue=_MAX_QUEUE.value)
-    api = build_app(scheduler, target.tokenizer, name, frozenset({target.config.eos_token_id}))
+    api = build_app(scheduler, target.tokenizer, name, frozenset({target.config.eos_token_id}),
+                    max_body_bytes=_MAX_BODY_BYTES.value)
     print(f"serving {name!r} on http://{_HOST.value}:{_PORT.value}/v1", file=sys.stderr)
     uvicorn.run(api, host=_HOST.value, port=_PORT.value, log_level="warning")
 

@@ -1,8 +1,8 @@
 """The starlette application: OpenAI's completion endpoints, models, health and metrics.
 
-A generation request is validated and tokenized on the event loop (`protocol`), its sampling fields mapped by
-the one adapter (`sampling.admission_options`), then queued on the scheduler; the handler waits on the
-request's asyncio queue. Streamed answers are server-sent events in OpenAI's chunk format ending with
+A generation request's body is read only when its Content-Length is within the server's limit; it is then
+validated and tokenized on the event loop (`protocol`), its sampling fields mapped by the one adapter
+(`sampling.admission_options`), then queued on the scheduler; the handler waits on the request's asyncio queue. Streamed answers are server-sent events in OpenAI's chunk format ending with
 `data: [DONE]`; when the client goes away, starlette cancels the stream and its row is released. A whole
 answer races the request's queue against the client's disconnect the same way.
 """
@@ -21,8 +21,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from dsparkjax.serve.protocol import Envelope, GenerationRequest, Kind, RequestError, Usage, completion_budget, \
-    parse_request
+from dsparkjax.serve.protocol import MAX_BODY_BYTES, Envelope, GenerationRequest, Kind, RequestError, Usage, \
+    completion_budget, parse_request
 from dsparkjax.serve.sampling import admission_options
 from dsparkjax.serve.scheduler import Delta, Job, QueueFull, Scheduler
 from dsparkjax.tokenizer import Tokenizer
@@ -30,12 +30,14 @@ from dsparkjax.tokenizer import Tokenizer
 _ENDPOINTS: dict[Kind, str] = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 
 
-def build_app(scheduler: Scheduler, tokenizer: Tokenizer, model: str, stop_tokens: frozenset[int]) -> Starlette:
+def build_app(scheduler: Scheduler, tokenizer: Tokenizer, model: str, stop_tokens: frozenset[int],
+              max_body_bytes: int = MAX_BODY_BYTES) -> Starlette:
     """The ASGI app serving `model` from `scheduler`; its lifespan starts and closes the scheduler's thread.
 
-    stop_tokens: token ids that end a generation (the target's EOS).
+    stop_tokens: token ids that end a generation (the target's EOS). max_body_bytes: the largest request body
+    read (a larger Content-Length gets 413 before any of it is read).
     """
-    api = _Api(scheduler, tokenizer, model, stop_tokens)
+    api = _Api(scheduler, tokenizer, model, stop_tokens, max_body_bytes)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
@@ -51,8 +53,10 @@ def build_app(scheduler: Scheduler, tokenizer: Tokenizer, model: str, stop_token
 
 
 class _Api:
-    def __init__(self, scheduler: Scheduler, tokenizer: Tokenizer, model: str, stop_tokens: frozenset[int]):
+    def __init__(self, scheduler: Scheduler, tokenizer: Tokenizer, model: str, stop_tokens: frozenset[int],
+                 max_body_bytes: int):
         self.scheduler, self.tokenizer, self.model, self.stop_tokens = scheduler, tokenizer, model, stop_tokens
+        self.max_body_bytes = max_body_bytes
         self.metrics = scheduler.metrics
 
     def endpoint(self, kind: Kind):
@@ -62,7 +66,7 @@ class _Api:
 
     async def generate(self, kind: Kind, http: Request) -> Response:
         try:
-            request = parse_request(kind, await http.body(), self.tokenizer, self.model)
+            request = parse_request(kind, await read_body(http, self.max_body_bytes), self.tokenizer, self.model)
             options = admission_options(request.sampling)
             budget = completion_budget(request, self.scheduler.room(len(request.prompt_ids)), self.scheduler.context)
             job = Job(request, budget, options, self.tokenizer, self.stop_tokens)
@@ -136,6 +140,21 @@ class _Api:
     async def metrics_page(self, http: Request) -> Response:
         body, content_type = self.metrics.exposition(http.headers.get("accept"))
         return Response(body, headers={"Content-Type": content_type})
+
+
+async def read_body(http: Request, limit: int) -> bytes:
+    """The request's body, read only when its Content-Length is a decimal count of at most `limit` bytes;
+    RequestError otherwise: 411 without one (a chunked body has none), 400 when it is no count, 413 past `limit`."""
+    length = http.headers.get("content-length")
+    if length is None:
+        raise RequestError("the request needs a Content-Length header (chunked bodies are not accepted)",
+                           status=411, code="length_required")
+    if not (length.isascii() and length.isdigit()):
+        raise RequestError(f"Content-Length must be a decimal count of bytes, got {length!r}")
+    if int(length) > limit:
+        raise RequestError(f"the request body of {int(length)} bytes exceeds this server's limit of {limit} bytes "
+                           "(--max_body_bytes)", status=413, code="request_too_large")
+    return await http.body()
 
 
 async def _collect(job: Job) -> tuple[str, Delta]:

@@ -24,6 +24,9 @@ from dsparkjax.tokenizer import Tokenizer
 
 Kind = Literal["chat", "completion"]
 MAX_STOP_STRINGS = 4  # OpenAI's limit
+# The default request body limit (`--max_body_bytes`): a 4096-position prompt is at most ~30 KB of JSON token
+# ids, and a million-token one about 8 MB; the body is read whole before it is parsed.
+MAX_BODY_BYTES = 8 * 2**20
 
 # Fields accepted only at the neutral value given (what they would change is not implemented).
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
