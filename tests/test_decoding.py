@@ -16,6 +16,7 @@ from model_helpers import VOCAB, fresh_state, step_fn, tiny_pair_model, tiny_tar
 
 from dsparkjax.decoding.decoder import Decoder
 from dsparkjax.decoding.engine import Emitted, Engine
+from dsparkjax.decoding.forward import forward
 from dsparkjax.decoding.generate import generate
 from dsparkjax.decoding.sampling import GREEDY, SamplingParams
 from dsparkjax.decoding.width import WidthPolicy
@@ -380,3 +381,24 @@ def test_engine_rows_follow_random_schedules_with_each_sequences_own_tokens(spec
                 release(row)
                 done += 1
     assert done > 0
+
+
+# -- logprobs --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_logprobs_are_the_same_bits_plain_and_speculative_and_the_forwards_log_softmax(temperature):
+    """Exact mode: each emitted token's logprob (the target's distribution, before temperature) has the same bits
+    whether a plain step or a speculative step of any width emitted it, and equals log_softmax of `forward`."""
+    target = tiny_target_model()
+    prompts, new = [[5, 6, 7, 8, 9], [11, 12, 13]], 12
+    kwargs = dict(max_new_tokens=new, stop_tokens=(), temperature=temperature, seed=3)
+    plain = generate(target, prompts, **kwargs)
+    spec = generate(target, prompts, drafter=oracle_for(prompts, plain, VOCAB, wrong_rate=0.3, seed=2), **kwargs)
+    assert sum(s.matched for s in spec) > new  # most tokens came from accepted candidates, at several widths
+    for prompt, p, s in zip(prompts, plain, spec):
+        assert s.token_ids == p.token_ids and len(p.logprobs) == new
+        assert s.logprobs == p.logprobs  # float32 values as Python floats: equal iff the same bits
+        logits = forward(target, [prompt + p.token_ids])[0, len(prompt) - 1 : -1]
+        want = np.asarray(jax.nn.log_softmax(logits, axis=-1))[np.arange(new), p.token_ids]
+        np.testing.assert_allclose(p.logprobs, want, rtol=1e-5, atol=1e-5)

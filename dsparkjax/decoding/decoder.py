@@ -171,12 +171,13 @@ class Decoder:
                                            jax.ShapeDtypeStruct((batch,), jnp.float32))
 
     def prefill(self, loop: LoopState, prompts: Mapping[int, np.ndarray],
-                on_logits: Callable[[jax.Array, np.ndarray], None] | None = None) -> tuple[LoopState, dict[int, int]]:
+                on_logits: Callable[[jax.Array, np.ndarray], None] | None = None
+                ) -> tuple[LoopState, dict[int, tuple[int, float]]]:
         """Run `prompts` (row -> int token ids) from position 0 of their rows, in chunks through the target;
         the other rows commit nothing. The proposer absorbs every chunk's features.
 
         on_logits: called with each chunk's logits float32 `[B, C, V]` and its valid row counts int `[B]`.
-        Returns (loop with each prompt row's seed set to its first token, row -> first token).
+        Returns (loop with each prompt row's seed set to its first token, row -> (first token, its logprob)).
         """
         lengths = np.zeros(self.batch, np.int64)
         for row, prompt in prompts.items():
@@ -184,22 +185,22 @@ class Decoder:
         done = np.zeros(self.batch, np.int64)
         restart = jnp.asarray(lengths > 0)
         ewma_init = jnp.float32(self.policy.ewma_init)
-        first: dict[int, int] = {}
+        first: dict[int, tuple[int, float]] = {}
         while (done < lengths).any():
             valid = np.clip(lengths - done, 0, self.prefill_chunk)
             tokens = np.zeros((self.batch, self.prefill_chunk), np.int32)
             for row, prompt in prompts.items():
                 tokens[row, : valid[row]] = prompt[done[row] : done[row] + valid[row]]
             ends = (valid > 0) & (done + valid == lengths)
-            loop, rows, logits, picked = self._prefill()(
+            loop, rows, logits, picked, logprob = self._prefill()(
                 self.target.params, loop, tokens=jnp.asarray(tokens), valid=jnp.asarray(valid, jnp.int32),
                 restart=restart, ends=jnp.asarray(ends), ewma_init=ewma_init, sample=self.sample)
             loop = self._absorb(loop, rows)
             if on_logits is not None:
                 on_logits(logits, valid)
             if ends.any():
-                picked = np.asarray(picked)
-                first.update((int(row), int(picked[row])) for row in np.flatnonzero(ends))
+                picked, logprob = np.asarray(picked), np.asarray(logprob)
+                first.update((int(row), (int(picked[row]), float(logprob[row]))) for row in np.flatnonzero(ends))
             restart = jnp.zeros_like(restart)
             done += valid
         return loop, first

@@ -43,6 +43,7 @@ class Emitted:
     matched: int = 0  # candidates accepted
     offered: int = 0  # candidates verified
     steps: int = 0  # decode steps (0 for a prompt's first token)
+    logprobs: list[float] = dataclasses.field(default_factory=list)  # each token's (decoding/logprobs.py)
 
 
 @dataclasses.dataclass
@@ -138,7 +139,8 @@ class Engine:
                 queued, self._in_flight = self._in_flight, queued
             for row, out in self._read(queued).items():  # a row prefilled in this call emitted its first token before
                 first = emitted.get(row)
-                emitted[row] = out if first is None else dataclasses.replace(out, tokens=first.tokens + out.tokens)
+                emitted[row] = out if first is None else dataclasses.replace(
+                    out, tokens=first.tokens + out.tokens, logprobs=first.logprobs + out.logprobs)
             return emitted
 
     def _check_usable(self) -> None:
@@ -182,7 +184,7 @@ class Engine:
             self._lengths[row] = len(prompt)
             self._running[row] = self._ticket_of[row]
         self._pending = {}
-        return {row: Emitted([token]) for row, token in first.items()}
+        return {row: Emitted([token], logprobs=[logprob]) for row, (token, logprob) in first.items()}
 
     def _dispatch(self) -> _InFlight:
         running = np.zeros(self.decoder.batch, bool)
@@ -208,5 +210,5 @@ class Engine:
             matched = int(outcome.matched[row])
             self._lengths[row] += matched + 1
             emitted[row] = Emitted([*map(int, outcome.candidates[row, :matched]), int(outcome.bonus[row])],
-                                   matched, int(widths[row]) - 1, 1)
+                                   matched, int(widths[row]) - 1, 1, outcome.logprobs[row, : matched + 1].tolist())
         return emitted

@@ -30,6 +30,7 @@ class Result:
     """One sequence's generation."""
 
     token_ids: list[int]
+    logprobs: list[float] = dataclasses.field(default_factory=list)  # each token's, before temperature and filters
     matched: int = 0  # candidates accepted
     offered: int = 0  # candidates verified (width − 1 per step)
     steps: int = 0  # target steps after prefill
@@ -56,15 +57,16 @@ class _Sequence:
         self.result.steps += out.steps
         self.result.matched += out.matched
         self.result.offered += out.offered
-        return self.emit(out.tokens)
+        return self.emit(out.tokens, out.logprobs)
 
-    def emit(self, tokens: Sequence[int]) -> int:
-        """Append tokens in order until a stop condition; returns how many were emitted."""
+    def emit(self, tokens: Sequence[int], logprobs: Sequence[float]) -> int:
+        """Append tokens (and their logprobs) in order until a stop condition; returns how many were emitted."""
         count = 0
-        for token in tokens:
+        for token, logprob in zip(tokens, logprobs):
             if self.done:
                 break
             self.result.token_ids.append(int(token))
+            self.result.logprobs.append(logprob)
             count += 1
             if self.on_token is not None and self.on_token(self.index, int(token)) is False:
                 self._stop("cancelled")

@@ -12,8 +12,8 @@ not at all) share one program.
 - `decode_program`: one decode step. It builds the rows `[seed, c_1 .. c_{w-1}]`, runs the target step,
   takes the target's token at every row (the greedy argmax, or when sampling the keyed sample of
   decoding/sampling.py), accepts the longest prefix of candidates equal to them (or, with the lossless
-  rule, by decoding/verify.py), picks the bonus token and commits seed + accepted rows of the active
-  sequences. One program rather than a chain of small
+  rule, by decoding/verify.py), picks the bonus token, takes the emitted tokens' logprobs
+  (decoding/logprobs.py) and commits seed + accepted rows of the active sequences. One program rather than a chain of small
   ones: the host dispatches one executable per step. Plain and speculative decoding call the same
   executable (it never depends on the proposer), so a row's logits are computed by the same code whatever
   the other rows hold.
@@ -31,6 +31,7 @@ from flax import struct
 from dsparkjax.aot import AotFunction
 from dsparkjax.config import TargetConfig
 from dsparkjax.decoding import sampling
+from dsparkjax.decoding.logprobs import token_logprobs
 from dsparkjax.decoding.sampling import RowSampling
 from dsparkjax.decoding.verify import lossless_rule
 from dsparkjax.decoding.width import accepted_candidates, ewma_update
@@ -59,6 +60,8 @@ class StepOutcome:
     matched: jax.Array  # int32 [B], candidates accepted
     bonus: jax.Array  # int32 [B], the target's token after the accepted prefix: the next seed
     bad: jax.Array  # int32 [], the smallest candidate id outside the vocabulary, or -1 if none is
+    logprobs: jax.Array | None = None  # float32 [B, W], the logprob of the token emitted at each of the first
+    # matched + 1 rows (decode_program sets it: the rule functions below leave it to the program)
 
 
 @struct.dataclass
@@ -119,19 +122,19 @@ def _target_rows(model: TargetModel, params: TargetParams, state: DecodeState, t
 @functools.lru_cache(maxsize=None)
 def prefill_program(cfg: TargetConfig, options: StepOptions) -> AotFunction:
     """`program(params, loop, *, tokens, valid, restart, ends, ewma_init, sample)`
-    `-> (loop, RowsOut, logits float32 [B, C, V], first)`.
+    `-> (loop, RowsOut, logits float32 [B, C, V], first, first_logprob)`.
 
     tokens int32 `[B, C]`: the chunk, of which the first `valid` int32 `[B]` of each row count (0 for rows
     not being prefilled: they commit nothing); restart bool `[B]`: rows that start a new sequence here (their
     length is reset to 0 first); ends bool `[B]`: rows whose prompt ends in this chunk; their seed becomes
-    `first` (int32 `[B]`, the token after the prompt) and their EWMA `ewma_init` (float32 []). `loop` is
-    donated.
+    `first` (int32 `[B]`, the token after the prompt; `first_logprob` float32 `[B]` its logprob) and their
+    EWMA `ewma_init` (float32 []). `loop` is donated.
     """
     model = TargetModel(cfg, options)
 
     def program(params: TargetParams, loop: LoopState, *, tokens: jax.Array, valid: jax.Array,
                 restart: jax.Array, ends: jax.Array, ewma_init: jax.Array, sample: bool
-                ) -> tuple[LoopState, RowsOut, jax.Array, jax.Array]:
+                ) -> tuple[LoopState, RowsOut, jax.Array, jax.Array, jax.Array]:
         logits, rows, state = _target_rows(model, params, reset(loop.state, restart), tokens)
         last = jnp.maximum(valid - 1, 0)[:, None]
         picked = jnp.take_along_axis(logits, last[:, :, None], axis=1)[:, 0]
@@ -142,7 +145,7 @@ def prefill_program(cfg: TargetConfig, options: StepOptions) -> AotFunction:
             first = jnp.argmax(picked, axis=-1).astype(jnp.int32)
         loop = loop.replace(state=commit(state, valid), seeds=jnp.where(ends, first, loop.seeds),
                             ewma=jnp.where(ends, ewma_init, loop.ewma))
-        return loop, rows, logits, first
+        return loop, rows, logits, first, token_logprobs(picked, first, options.policy)
 
     return AotFunction(program, donate_argnames=("loop",), static_argnames=("sample",),
                        compiler_options=options.policy.compiler_options, cache_name=f"prefill {cfg!r} {options!r}")
@@ -177,6 +180,9 @@ def decode_program(cfg: TargetConfig, options: StepOptions) -> AotFunction:
         else:
             samples, _ = sampling.draw(logits, loop.sampling, positions, sampling.TARGET)
             outcome = outcome_of_tokens(samples, candidates, widths, logits.shape[-1])
+        rows_emitted = jnp.arange(width) < outcome.matched[:, None]  # accepted candidates, then the bonus
+        emitted = jnp.where(rows_emitted, jnp.pad(candidates, ((0, 0), (0, 1))), outcome.bonus[:, None])
+        outcome = outcome.replace(logprobs=token_logprobs(logits, emitted, options.policy))
         loop = loop.replace(state=commit(state, jnp.where(loop.active, outcome.matched + 1, 0)),
                             seeds=outcome.bonus, ewma=ewma_update(loop.ewma, outcome.matched, ewma_decay))
         return loop, rows, outcome
