@@ -201,6 +201,10 @@ class Tokenizer:
         """Text of ``ids``; bytes that are not valid UTF-8 become U+FFFD. ``skip_special`` drops control tokens."""
         return self._hf.decode([self._checked_id(i) for i in ids], skip_special_tokens=skip_special)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes ``token_id`` stands for (part of a UTF-8 character for some tokens)."""
+        return self._token_bytes[self._checked_id(token_id)]
+
     def incremental_decoder(self, *, skip_special: bool = False) -> IncrementalDecoder:
         """A fresh streaming decoder for one generated sequence."""
         return IncrementalDecoder(self, skip_special=skip_special)

@@ -27,7 +27,7 @@ import jax  # noqa: E402
 from starlette.requests import Request  # noqa: E402
 
 from dsparkjax import chat  # noqa: E402
-from dsparkjax.decoding.generate import generate  # noqa: E402
+from dsparkjax.decoding.generate import Result, generate  # noqa: E402
 from dsparkjax.decoding.proposer import load_drafter  # noqa: E402
 from dsparkjax.decoding.sampling import SamplingParams  # noqa: E402
 from dsparkjax.embedded import embedded_pair  # noqa: E402
@@ -119,13 +119,13 @@ class _Served:
         return tuple(self.tokenizer.encode(text, add_bos=True))
 
     @functools.lru_cache(maxsize=None)
-    def _alone(self, ids: tuple[int, ...], new_tokens: int, sampling: tuple[float, float, int] | None) -> list[int]:
+    def alone(self, ids: tuple[int, ...], new_tokens: int, sampling: tuple[float, float, int] | None) -> Result:
         if sampling is None:
-            return generate(self.target, [list(ids)], drafter=self.drafter, max_new_tokens=new_tokens)[0].token_ids
+            return generate(self.target, [list(ids)], drafter=self.drafter, max_new_tokens=new_tokens)[0]
         # Plain sampling (exact speculative sampling equals it): two programs to compile, not every width's.
         temperature, top_p, seed = sampling
         return generate(self.target, [list(ids)], drafter=self.drafter, mode="ar", max_new_tokens=new_tokens,
-                        temperature=temperature, top_p=top_p, seed=seed)[0].token_ids
+                        temperature=temperature, top_p=top_p, seed=seed)[0]
 
     def expected(self, ids: tuple[int, ...], max_tokens: int, offline: int = LONGEST,
                  sampling: tuple[float, float, int] | None = None) -> tuple[str, str, int]:
@@ -133,7 +133,7 @@ class _Served:
         (temperature, top_p, seed)), stopped at `max_tokens`: cut from one offline run of `offline` tokens per
         prompt (runs whose prompt and `offline` round to the same state size share compiled programs)."""
         assert max_tokens <= offline
-        tokens = self._alone(ids, offline, sampling)[:max_tokens]
+        tokens = self.alone(ids, offline, sampling).token_ids[:max_tokens]
         eos = self.target.config.eos_token_id
         if eos in tokens:
             tokens = tokens[: tokens.index(eos) + 1]
@@ -219,6 +219,34 @@ def test_top_k_and_min_p_reach_the_engine(served):
     greedy, hot = served.expected(served.text_ids(PROMPTS[1]), 24)[0], ask()
     assert hot != greedy
     assert ask(top_k=1) == greedy and ask(min_p=1.0) == greedy and ask(top_k=-1) == hot
+
+
+@pytest.mark.parametrize("kind, stream", [("completion", True), ("chat", False)])
+def test_logprobs_are_the_engines_bits(served, kind, stream):
+    """Each generated token's logprob (OpenAI's chat and completions shapes, streamed or whole) is the one
+    `generate` reports for its prompt alone, bit for bit: exact mode's logprobs do not depend on the batch."""
+    content = PROMPTS[2]
+    ids = served.chat_ids(content) if kind == "chat" else served.text_ids(content)
+    want = served.alone(ids, LONGEST, None)
+    text, _, count = served.expected(ids, 20)
+    eos = served.target.config.eos_token_id
+    tokens = [t for t in want.token_ids[:count] if t != eos]
+    if kind == "chat":
+        answer = served.client().chat.completions.create(model=EMBEDDED_MODEL, max_tokens=20, logprobs=True,
+                                                         messages=[{"role": "user", "content": content}])
+        entries = answer.choices[0].logprobs.content
+        got = [e.logprob for e in entries]
+        assert b"".join(bytes(e.bytes) for e in entries) == b"".join(served.tokenizer.token_bytes(t) for t in tokens)
+    else:
+        chunks = list(served.client().completions.create(model=EMBEDDED_MODEL, prompt=content, max_tokens=20,
+                                                         logprobs=0, stream=stream))
+        parts = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+        got = [lp for p in parts for lp in p.token_logprobs]
+        offsets = [o for p in parts for o in p.text_offset]
+        pieces = [t for p in parts for t in p.tokens]
+        assert offsets == [sum(map(len, pieces[:i])) for i in range(len(pieces))]
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+    assert got == want.logprobs[: len(tokens)]
 
 
 def test_a_sampled_request_without_a_seed_gets_a_fresh_one():
@@ -318,7 +346,9 @@ BAD_REQUESTS = [
     (_body(stream="yes"), 400, "stream"),
     (_body(stream=True, stream_options={"include_usage": 1}), 400, "stream_options.include_usage"),
     (_body(n=2), 400, "n"),
-    (_body(logprobs=3), 400, "logprobs"),
+    (_body(logprobs=3), 400, "logprobs"),  # the most likely alternatives are not implemented
+    (_body(logprobs=6), 400, "logprobs"),
+    (_body(logprobs=True), 400, "logprobs"),  # chat's boolean, on completions
     (_body(response_format={"type": "json_object"}), 400, "response_format"),  # was ignored
     (_body(tool_choice="required"), 400, "tool_choice"),
     (b"[" * 100_000 + b"]" * 100_000, 400, None),  # a RecursionError in json.loads: was a 500

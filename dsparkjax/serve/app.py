@@ -21,8 +21,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from dsparkjax.serve.protocol import MAX_BODY_BYTES, Envelope, GenerationRequest, Kind, RequestError, Usage, \
-    completion_budget, parse_request
+from dsparkjax.serve.protocol import MAX_BODY_BYTES, Envelope, GenerationRequest, Kind, RequestError, \
+    TokenLogprob, Usage, completion_budget, logprobs_body, parse_request
 from dsparkjax.serve.sampling import admission_options
 from dsparkjax.serve.scheduler import Delta, Job, QueueFull, Scheduler
 from dsparkjax.tokenizer import Tokenizer
@@ -85,7 +85,7 @@ class _Api:
 
     async def _events(self, job: Job, request: GenerationRequest, envelope: Envelope) -> AsyncIterator[str]:
         """The SSE stream of one request; cancels its row if the stream ends early (the client went away)."""
-        outcome = "cancelled"
+        outcome, offset = "cancelled", 0  # offset: the completion's text offset of the next token
         try:
             if request.kind == "chat":
                 yield _sse(envelope.chunk(None))
@@ -95,8 +95,12 @@ class _Api:
                     outcome = "failed"
                     yield _sse(RequestError(delta.error, status=500, err_type="server_error").body())
                     break
-                if delta.text or delta.finish_reason:
-                    yield _sse(envelope.chunk(delta.text, delta.finish_reason))
+                logprobs = None
+                if request.logprobs is not None and delta.logprobs:
+                    logprobs = logprobs_body(request.kind, delta.logprobs, offset)
+                    offset += sum(len(e.token) for e in delta.logprobs)
+                if delta.text or delta.finish_reason or logprobs:
+                    yield _sse(envelope.chunk(delta.text, delta.finish_reason, logprobs))
                 if delta.finish_reason:
                     outcome = "finished"
                     if request.include_usage:
@@ -119,13 +123,14 @@ class _Api:
             self.scheduler.cancel(job)
             self._count(request.kind, "cancelled")
             return Response(status_code=499)  # nobody reads it
-        text, last = collect.result()
+        text, last, entries = collect.result()
         if last.error is not None:
             self._count(request.kind, "failed")
             return _error(RequestError(last.error, status=500, err_type="server_error"))
         self._count(request.kind, "finished")
         usage = Usage(len(request.prompt_ids), last.completion_tokens)
-        return JSONResponse(envelope.response(text, last.finish_reason or "stop", usage))
+        logprobs = logprobs_body(request.kind, entries) if request.logprobs is not None else None
+        return JSONResponse(envelope.response(text, last.finish_reason or "stop", usage, logprobs))
 
     def _count(self, kind: Kind, outcome: str) -> None:
         self.metrics.requests.labels(_ENDPOINTS[kind], outcome).inc()
@@ -157,14 +162,15 @@ async def read_body(http: Request, limit: int) -> bytes:
     return await http.body()
 
 
-async def _collect(job: Job) -> tuple[str, Delta]:
-    """All of a job's text, and its last delta (finished or failed)."""
-    parts = []
+async def _collect(job: Job) -> tuple[str, Delta, list[TokenLogprob]]:
+    """All of a job's text, its last delta (finished or failed) and its tokens' logprobs."""
+    parts, entries = [], []
     while True:
         delta = await job.queue.get()
         parts.append(delta.text)
+        entries += delta.logprobs
         if delta.finish_reason is not None or delta.error is not None:
-            return "".join(parts), delta
+            return "".join(parts), delta, entries
 
 
 async def _disconnected(http: Request) -> None:

@@ -10,12 +10,13 @@ as OpenAI's own API does. The `*_chunk` and `*_response` functions build the JSO
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import numbers
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, Literal, Sequence
 
 from dsparkjax import chat, validation
 from dsparkjax.decoding.sampling import MAX_SEED, MAX_TOP_K
@@ -31,7 +32,7 @@ MAX_BODY_BYTES = 8 * 2**20
 # Fields accepted only at the neutral value given (what they would change is not implemented).
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "n": (None, 1), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
-    "logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []), "functions": (None, []),
+    "tools": (None, []), "functions": (None, []),
     "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
     "response_format": (None, {"type": "text"}), "tool_choice": (None, "none", "auto"),
 }
@@ -72,6 +73,7 @@ class GenerationRequest:
     sampling: SamplingFields
     stream: bool
     include_usage: bool  # streamed: a last chunk with the usage
+    logprobs: int | None = None  # report each token's logprob with this many alternatives (only 0 so far), or not
 
 
 def parse_request(kind: Kind, raw: bytes, tokenizer: Tokenizer, model: str) -> GenerationRequest:
@@ -103,7 +105,7 @@ def parse_request(kind: Kind, raw: bytes, tokenizer: Tokenizer, model: str) -> G
         raise RequestError(f"{param} must be at least 1, got {max_tokens}", param=param)
     ids = _chat_prompt(body, tokenizer) if kind == "chat" else _completion_prompt(body, tokenizer)
     return GenerationRequest(kind, tuple(ids), max_tokens, _stop(body.get("stop")), _sampling(body), stream,
-                             include_usage)
+                             include_usage, _logprobs(kind, body))
 
 
 def completion_budget(request: GenerationRequest, room: int, context: int) -> int:
@@ -202,6 +204,29 @@ def _sampling(body: dict[str, Any]) -> SamplingFields:
     return SamplingFields(temperature=temperature, top_k=max(top_k, 0), top_p=top_p, min_p=min_p, seed=seed)
 
 
+def _logprobs(kind: Kind, body: dict[str, Any]) -> int | None:
+    """How many alternatives each token's logprob comes with (chat: `logprobs` true and `top_logprobs` in
+    [0, 20]; completions: `logprobs` in [0, 5]), or None for no logprobs. The alternatives are not implemented:
+    a count above 0 is refused."""
+    if kind == "chat":
+        top = _optional(body, "top_logprobs", int, 0)
+        if not 0 <= top <= 20:
+            raise RequestError(f"top_logprobs must be an integer in [0, 20], got {top}", param="top_logprobs")
+        if not _optional(body, "logprobs", bool, False):
+            if top:
+                raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+            return None
+        param, count = "top_logprobs", top
+    else:
+        param, count = "logprobs", _optional(body, "logprobs", int, None)
+        if count is not None and not 0 <= count <= 5:
+            raise RequestError(f"logprobs must be an integer in [0, 5], got {count}", param="logprobs")
+    if count:
+        raise RequestError(f"{param} {count} is not supported by this server: it reports each generated token's "
+                           f"own logprob ({param} 0), not the most likely alternatives", param=param)
+    return count
+
+
 def _optional(body: dict[str, Any], field: str, kind: type, default: Any, param: str | None = None) -> Any:
     """`body[field]` checked to be of `kind` (JSON null or absent: `default`)."""
     value = body.get(field)
@@ -237,6 +262,26 @@ class Usage:
 
 
 @dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's logprob entry: its text, its bytes and its logprob (the target's distribution,
+    before temperature and filters)."""
+
+    token: str
+    bytes: bytes
+    logprob: float
+
+
+def logprobs_body(kind: Kind, entries: Sequence[TokenLogprob], offset: int = 0) -> dict[str, Any]:
+    """A choice's `logprobs` object for `entries` (completions: their text offsets count from `offset`)."""
+    if kind == "chat":
+        return {"content": [{"token": e.token, "logprob": e.logprob, "bytes": list(e.bytes), "top_logprobs": []}
+                            for e in entries]}
+    starts = itertools.accumulate((len(e.token) for e in entries[:-1]), initial=offset)
+    return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{} for _ in entries], "text_offset": list(starts) if entries else []}
+
+
+@dataclasses.dataclass(frozen=True)
 class Envelope:
     """The fields every response and chunk of one request share."""
 
@@ -251,24 +296,27 @@ class Envelope:
             return {"id": f"chatcmpl-{self.id}", "object": obj, "created": self.created, "model": self.model}
         return {"id": f"cmpl-{self.id}", "object": "text_completion", "created": self.created, "model": self.model}
 
-    def chunk(self, text: str | None, finish_reason: str | None = None) -> dict[str, Any]:
-        """A streamed chunk: `text` (chat: None opens the assistant's message) and/or the finish reason."""
+    def chunk(self, text: str | None, finish_reason: str | None = None, logprobs: dict[str, Any] | None = None
+              ) -> dict[str, Any]:
+        """A streamed chunk: `text` (chat: None opens the assistant's message) and/or the finish reason, with
+        the `logprobs` object of its tokens (`logprobs_body`) when the request asked for them."""
         if self.kind == "chat":
             delta = {"role": "assistant", "content": ""} if text is None else {"content": text} if text else {}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         return {**self._head(True), "choices": [choice]}
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         """The last chunk of a stream with `stream_options.include_usage`: no choices, the usage."""
         return {**self._head(True), "choices": [], "usage": usage.body()}
 
-    def response(self, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
-        """A whole (non-streamed) response."""
+    def response(self, text: str, finish_reason: str, usage: Usage, logprobs: dict[str, Any] | None = None
+                 ) -> dict[str, Any]:
+        """A whole (non-streamed) response (`logprobs`: as in `chunk`)."""
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                       "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         return {**self._head(False), "choices": [choice], "usage": usage.body()}

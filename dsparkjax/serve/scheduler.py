@@ -26,7 +26,7 @@ from dsparkjax.decoding.engine import Emitted, Engine
 from dsparkjax.decoding.proposer import Proposer
 from dsparkjax.errors import ArgumentError, DsparkError
 from dsparkjax.serve.metrics import Metrics
-from dsparkjax.serve.protocol import GenerationRequest
+from dsparkjax.serve.protocol import GenerationRequest, TokenLogprob
 from dsparkjax.serve.text import TextStream
 from dsparkjax.target_api import Target
 from dsparkjax.tokenizer import Tokenizer
@@ -66,6 +66,7 @@ class Delta:
     completion_tokens: int  # tokens generated so far
     finish_reason: str | None = None  # "stop" (EOS or a stop string) or "length" when the request is done
     error: str | None = None  # the request failed (the engine failed, or the server is shutting down)
+    logprobs: tuple[TokenLogprob, ...] = ()  # the tokens taken in this delta (not EOS, which gives no text)
 
 
 class Job:
@@ -80,6 +81,7 @@ class Job:
         self.prompt = np.asarray(request.prompt_ids, np.int64)
         self.max_tokens, self.options, self.stop_tokens = max_tokens, options, stop_tokens
         self.text = TextStream(tokenizer, request.stop)
+        self._tokenizer = tokenizer
         self.queue: asyncio.Queue[Delta] = asyncio.Queue()
         self.cancelled = False
         self.completion_tokens = 0
@@ -88,13 +90,15 @@ class Job:
 
     def take(self, out: Emitted) -> Delta:
         """The delta of one row's emitted tokens: stops at EOS, a stop string or max_tokens."""
-        pieces, finish = [], None
-        for token in out.tokens:
+        pieces, finish, logprobs = [], None, []
+        for token, logprob in zip(out.tokens, out.logprobs):
             self.completion_tokens += 1
             if token in self.stop_tokens:
                 pieces.append(self.text.flush())
                 finish = "stop"
             else:
+                raw = self._tokenizer.token_bytes(token)
+                logprobs.append(TokenLogprob(raw.decode("utf-8", errors="replace"), raw, logprob))
                 pieces.append(self.text.push(token))
                 if self.text.stopped:
                     finish = "stop"
@@ -103,7 +107,7 @@ class Job:
                     finish = "length"
             if finish:
                 break
-        return Delta("".join(pieces), self.completion_tokens, finish)
+        return Delta("".join(pieces), self.completion_tokens, finish, logprobs=tuple(logprobs))
 
     def publish(self, delta: Delta) -> None:
         """Hand `delta` to the event loop (from the scheduler thread)."""
