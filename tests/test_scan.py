@@ -103,12 +103,17 @@ def _run(target, invariant: bool, width: int, batch: int = 2):
     return out
 
 
-def _check_same(invariant: bool, width: int, kernel: str = "ffi"):
+def _check_same(invariant: bool, width: int, kernel: str = "ffi", same_bits: bool = True):
+    """The scanned target's outputs against the unrolled one's: the same bits, or (`same_bits` False) within
+    float32 rounding's reach (a wrong layer or cache would be off by far more)."""
     unrolled, scanned = targets(kernel)
     a, b = _run(unrolled, invariant, width), _run(scanned, invariant, width)
     assert len(a) == len(b)
     for i, (x, y) in enumerate(zip(a, b)):
-        np.testing.assert_array_equal(x, y, err_msg=f"output {i}")
+        if same_bits:
+            np.testing.assert_array_equal(x, y, err_msg=f"output {i}")
+        else:
+            np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-4, err_msg=f"output {i}")
 
 
 @needs_plugin
@@ -130,7 +135,9 @@ def test_scanned_step_equals_unrolled_every_width(invariant, width):
 
 
 def test_scanned_step_on_the_reference_kernels_equals_unrolled():
-    _check_same(False, 2, kernel="reference")
+    """XLA's own contractions: the same bits on the CPU; on the GPU XLA fuses a scanned body's ops otherwise than
+    the unrolled layers' (G29: 1986 of 2048 logits differ, by at most 6.2e-6), which the fast mode allows."""
+    _check_same(False, 2, kernel="reference", same_bits=jax.default_backend() == "cpu")
 
 
 def test_scanned_step_refuses_what_the_unrolled_refuses():
