@@ -86,16 +86,18 @@ def choice(value: Any, name: str, choices: Sequence[Any]) -> Any:
 
 
 def temperature(value: Any) -> float:
-    """A finite real >= 0 (0 is greedy) that float32, the rows' dtype, holds: one that overflows to inf would
-    sample uniformly, a positive one that rounds to 0 would decode greedily."""
+    """A finite real >= 0 (0 is greedy) that float32, the rows' dtype, holds as a normal number: one that
+    overflows to inf would sample uniformly, and a positive one that rounds to 0, or to a subnormal (which XLA
+    flushes to 0 on the CPU and the GPU), would decode greedily."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
         raise ArgumentError(f"temperature must be a finite number >= 0 (0: greedy), got {value!r}")
     with np.errstate(over="ignore"):
         held = np.float32(value)
-    if not np.isfinite(held) or (value > 0 and held == 0):
-        f32 = np.finfo(np.float32)
-        raise ArgumentError(f"temperature {value!r} does not survive float32 (it becomes {held}): use 0 (greedy) or "
-                            f"a value in [{f32.smallest_subnormal:.3g}, {f32.max:.3g}]")
+    f32 = np.finfo(np.float32)
+    if not np.isfinite(held) or (value > 0 and held < f32.smallest_normal):
+        raise ArgumentError(f"temperature {value!r} does not survive float32 (it becomes {held}"
+                            f"{', a subnormal XLA flushes to 0' if 0 < held < f32.smallest_normal else ''}): use 0 "
+                            f"(greedy) or a value in [{f32.smallest_normal:.3g}, {f32.max:.3g}]")
     return float(value)
 
 

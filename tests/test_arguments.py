@@ -89,9 +89,11 @@ def test_temperature_must_be_finite_and_not_negative(target, value):
         generate(target, [[1, 2]], temperature=value)
 
 
-@pytest.mark.parametrize("value, held", [(1e300, "inf"), (1e-300, "0.0")])
+@pytest.mark.parametrize("value, held", [(1e300, "inf"), (1e-300, "0.0"),
+                                         (1e-39, "1.0000002153053333e-39, a subnormal XLA flushes to 0")])
 def test_a_temperature_float32_does_not_hold_is_refused(target, value, held):
-    """float32 rows made 1e300 inf (uniform sampling) and 1e-300 zero (silently greedy)."""
+    """float32 rows made 1e300 inf (uniform sampling), and 1e-300 zero and 1e-39 a subnormal that XLA flushes to
+    zero (both silently greedy)."""
     message = re.escape(f"temperature {value!r} does not survive float32 (it becomes {held})")
     with pytest.raises(ArgumentError, match=message):
         generate(target, [[1, 2]], temperature=value)

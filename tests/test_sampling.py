@@ -75,7 +75,7 @@ def reference_warp(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     """The warping order of sampling.py's docstring, written out in numpy float64 for one row."""
     if params.greedy:
         return np.where(np.arange(logits.size) == np.argmax(logits), 0.0, -np.inf)
-    x = logits.astype(np.float64) / params.temperature
+    x = (logits.astype(np.float64) - logits.max()) / params.temperature
     keep = np.ones(x.size, bool)
     if 0 < params.top_k < x.size:
         keep &= x >= np.sort(x)[::-1][params.top_k - 1]
@@ -105,6 +105,15 @@ def test_warp_keeps_the_documented_tokens(seed, temperature, top_k, top_p, min_p
     want = reference_warp(logits, params)
     np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
     np.testing.assert_allclose(got[np.isfinite(got)], want[np.isfinite(want)], rtol=1e-6)
+
+
+def test_a_tiny_temperature_samples_the_argmax():
+    """Dividing raw logits by 5e-38 made 49.9 and 50.0 both inf, and every draw took the first of the tie."""
+    logits = jnp.broadcast_to(jnp.asarray([49.9, 50.0, 3.0, -2.0], jnp.float32), (1, 8, 4))
+    tokens, warped = sampling.draw(logits, RowSampling.of([SamplingParams(5e-38)], [0]),
+                                   jnp.arange(8, dtype=jnp.int32)[None], sampling.TARGET)
+    np.testing.assert_array_equal(np.asarray(tokens), 1)
+    assert not np.isposinf(np.asarray(warped)).any()
 
 
 def test_neutral_filters_leave_the_logits_bit_for_bit():

@@ -7,7 +7,8 @@ the verify width or its neighbours (`spec_sampling.md` §3). Plain sampling, the
 exact verifier and the lossless verifier all warp logits with the one `warp` below.
 
 Warping order (vLLM's, `spec_sampling.md` §2): temperature → top-k → top-p → min-p.
-- temperature T: logits / T. T = 0 is greedy: the warped logits are 0 at the argmax (lowest index on ties,
+- temperature T: (logits − max) / T, the same distribution as logits / T, kept finite for any T float32 holds
+  (5e-38 would overflow 10.0 / T to inf, and a tie of infinities is no longer the argmax). T = 0 is greedy: the warped logits are 0 at the argmax (lowest index on ties,
   as `jnp.argmax`) and −inf elsewhere, so the distribution is one-hot and every rule reduces to greedy;
 - top_k k > 0: keep the logits >= the k-th largest (ties at the boundary are all kept);
 - top_p p < 1: of what top-k kept, keep the most probable tokens, in order, until the kept mass reaches p
@@ -140,7 +141,8 @@ def warp(logits: jax.Array, rows: RowSampling) -> jax.Array:
     parameters (module docstring: the order). softmax of the result is the distribution that is sampled."""
     temperature = _per_row(rows.temperature, logits)
     greedy = temperature <= 0
-    x = logits.astype(jnp.float32) / jnp.where(greedy, 1.0, temperature)
+    x = logits.astype(jnp.float32)
+    x = (x - jnp.max(x, axis=-1, keepdims=True)) / jnp.where(greedy, 1.0, temperature)
     filtered = jnp.any((rows.top_k > 0) | (rows.top_p < 1) | (rows.min_p > 0))
     # The sort runs only in steps where some row filters; a neutral row's logits are the same either way.
     x = jax.lax.cond(filtered, _filter, lambda x, *_: x, x, _per_row(rows.top_k, logits),
