@@ -28,13 +28,21 @@ from dsparkjax.tiny import tiny_pair, write_tiny_pair
 MAX_STEP = 16
 VOCAB = 512  # tiny_target()'s vocabulary, the tiny pair's
 
+_SCRATCH = tempfile.TemporaryDirectory(prefix="dsparkjax-tests-")  # removed when the test process exits
+
+
+def scratch_dir(prefix: str) -> str:
+    """A new directory for the files a cached helper writes (models the helpers build), removed with the test
+    process: plain `tempfile.mkdtemp` folders outlived it, a few MB per model and run, in /tmp."""
+    return tempfile.mkdtemp(prefix=prefix, dir=_SCRATCH.name)
+
 
 @functools.lru_cache(maxsize=None)
 def tiny_target_model(seed: int = 0, simulate_qat: bool = True, swiglu_limit: float = 10.0) -> Target:
     """A loaded tiny target (written to a temp GGUF and read back, so the loader is exercised too)."""
     cfg = tiny_target(swiglu_limit=swiglu_limit)
     target_cfg, params, _, _ = tiny_pair(seed, target_cfg=cfg)
-    path = os.path.join(tempfile.mkdtemp(prefix="dsparkjax-test-"), "target.gguf")
+    path = os.path.join(scratch_dir("target-"), "target.gguf")
     write_model_gguf(path, target_cfg, params, recipe="f32")
     return load_target(path, simulate_qat=simulate_qat)
 
@@ -42,7 +50,7 @@ def tiny_target_model(seed: int = 0, simulate_qat: bool = True, swiglu_limit: fl
 @functools.lru_cache(maxsize=None)
 def tiny_pair_paths(seed: int = 0) -> tuple[str, str]:
     """Paths of a tiny target/drafter pair with a tokenizer."""
-    return write_tiny_pair(tempfile.mkdtemp(prefix="dsparkjax-pair-"), seed=seed)
+    return write_tiny_pair(scratch_dir("pair-"), seed=seed)
 
 
 @functools.lru_cache(maxsize=None)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -36,14 +35,14 @@ from dsparkjax.target_api import load_target
 from dsparkjax.testing import synthetic
 from dsparkjax.testing.oracle import oracle_for
 from dsparkjax.tiny import random_params, write_tiny_pair
-from model_helpers import recipe_configs
+from model_helpers import recipe_configs, scratch_dir
 
 needs_plugin = pytest.mark.skipif(not kernels.ffi.available(), reason="FFI plugin for this platform not built")
 
 
 @functools.lru_cache(maxsize=None)
 def rocmfpx_pair() -> tuple[str, str]:
-    return write_tiny_pair(tempfile.mkdtemp(prefix="dsparkjax-rocmfpx-"), recipe="rocmfpx", tokenizer=None)
+    return write_tiny_pair(scratch_dir("rocmfpx-"), recipe="rocmfpx", tokenizer=None)
 
 
 @pytest.mark.parametrize("backend", ["reference", pytest.param("ffi", marks=needs_plugin)])
@@ -63,7 +62,7 @@ def test_packed_weights_match_dequantized(backend):
 def q4k_experts_pair() -> tuple[str, str]:
     """A tiny pair written with the Q4KExperts recipe (routed experts Q4_K, the rest as `published`)."""
     tcfg, dcfg = recipe_configs("q4k_experts")
-    return write_tiny_pair(tempfile.mkdtemp(prefix="dsparkjax-q4k-"), recipe="q4k_experts", tokenizer=None,
+    return write_tiny_pair(scratch_dir("q4k-"), recipe="q4k_experts", tokenizer=None,
                            target_cfg=tcfg, drafter_cfg=dcfg)
 
 
@@ -92,10 +91,10 @@ def test_q4k_experts_load_packed_and_generate_as_dequantized(backend):
     assert [r.token_ids for r in ours] == [r.token_ids for r in plain]
 
 
-def test_auto_picks_packed_kernels_for_quantized_files():
+def test_auto_picks_packed_kernels_for_quantized_files(tmp_path):
     target_path, _ = rocmfpx_pair()
     assert load_target(target_path).kernels == kernels.default_backend()
-    assert load_target(write_tiny_pair(tempfile.mkdtemp(), tokenizer=None)[0]).kernels == "dequantize"
+    assert load_target(write_tiny_pair(str(tmp_path), tokenizer=None)[0]).kernels == "dequantize"
 
 
 @needs_plugin
@@ -272,7 +271,7 @@ def test_random_blocks_write_a_packed_model_at_the_float_models_scale(tmp_path):
     assert np.isfinite(forward(target, tokens)).all()
 
 
-def test_random_blocks_are_checked():
+def test_random_blocks_are_checked(tmp_path):
     """Encoded parameters must be in the recipe's type; random blocks need whole blocks and fp16 scales."""
     tcfg, _ = recipe_configs("published")
     params = random_params(target_tensor_specs(tcfg), 0, tcfg.hc_mult, tcfg.n_routed_experts,
@@ -281,7 +280,7 @@ def test_random_blocks_are_checked():
     params[name] = RawTensor(name, int(GGMLType.IQ2_XXS), params[name].shape, params[name].data)
     with pytest.raises(DsparkError, match=rf"{name} is encoded as {name} in IQ2_XXS; recipe 'published' stores it "
                                           "as Q8_0"):
-        write_model_gguf(tempfile.mktemp(suffix=".gguf"), tcfg, params, recipe="published")
+        write_model_gguf(str(tmp_path / "t.gguf"), tcfg, params, recipe="published")
     with pytest.raises(ValueError, match="not whole blocks of 256"):
         synthetic.random_packed(jax.random.key(0), int(GGMLType.IQ2_XXS), (2,), 100)
     with pytest.raises(ValueError, match="scale bytes are exponents"):

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import tempfile
 
 import numpy as np
 import pytest
@@ -22,7 +21,8 @@ from dsparkjax.ggufio import write_model_gguf
 from dsparkjax.decoding.forward import forward
 from dsparkjax.target_api import Target, load_target
 from dsparkjax.tiny import tiny_pair
-from model_helpers import decode_single, fresh_state, max_rel_err, prefill, random_tokens, tiny_target_model
+from model_helpers import (decode_single, fresh_state, max_rel_err, prefill, random_tokens, scratch_dir,
+                           tiny_target_model)
 
 HCA_LAYER = 2  # tiny_target's layers: SWA, CSA, HCA, CSA
 
@@ -34,7 +34,7 @@ def real_window_target() -> Target:
     slots), whose float noise flipped a near tie of the tiny config's top-2 at one position on an AVX2 host."""
     cfg = dataclasses.replace(tiny_target(), sliding_window=128, compress_ratios=(0, 4, 128, 4), index_topk=128)
     cfg, params, _, _ = tiny_pair(0, target_cfg=cfg)
-    path = os.path.join(tempfile.mkdtemp(prefix="dsparkjax-ring-"), "target.gguf")
+    path = os.path.join(scratch_dir("ring-"), "target.gguf")
     write_model_gguf(path, cfg, params, recipe="f32")
     return load_target(path, simulate_qat=False)
 

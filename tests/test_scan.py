@@ -12,7 +12,6 @@ import dataclasses
 import functools
 import os
 import sys
-import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +28,7 @@ from dsparkjax.model.params import LayerStack
 from dsparkjax.model.state import CacheStack, commit, init_state, per_layer
 from dsparkjax.target_api import load_target
 from dsparkjax.tiny import tiny_pair
+from model_helpers import scratch_dir
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 from step_census import loop_moves, shape_key, stacked_shapes  # noqa: E402
@@ -48,7 +48,7 @@ def deep_tiny(layers: int):
 @functools.lru_cache(maxsize=None)
 def deep_tiny_path(recipe: str = "rocmfpx") -> str:
     cfg, params, _, _ = tiny_pair(0, target_cfg=deep_tiny(LAYERS))
-    path = os.path.join(tempfile.mkdtemp(prefix="dsparkjax-scan-"), "target.gguf")
+    path = os.path.join(scratch_dir("scan-"), "target.gguf")
     write_model_gguf(path, cfg, params, recipe=recipe)
     return path
 

@@ -6,13 +6,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import tempfile
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from gguf import GGUFValueType
-from model_helpers import tiny_pair_paths
+from model_helpers import scratch_dir, tiny_pair_paths
 
 from dsparkjax.decoding.decoder import Decoder
 from dsparkjax.decoding.generate import generate
@@ -108,7 +107,7 @@ def test_threshold_metadata_is_optional():
 def _fitted_pair() -> tuple[str, str, str]:
     """A tiny pair and a copy of its drafter with thresholds written as calibrate.py writes them."""
     target_path, draft_path = tiny_pair_paths()
-    fitted = os.path.join(tempfile.mkdtemp(prefix="dsparkjax-width-"), "draft.gguf")
+    fitted = os.path.join(scratch_dir("width-"), "draft.gguf")
     copy_with_metadata(draft_path, fitted, {})
     calibration.write_thresholds(fitted, (0.25, 0.5))
     return target_path, draft_path, fitted
@@ -142,9 +141,9 @@ def test_a_fit_with_no_candidate_worth_verifying_is_stored_as_certainty_only(tmp
     assert GGUFFile(path).metadata[SURVIVAL_THRESHOLDS_KEY] == [1.0]
 
 
-def test_a_drafter_with_bad_thresholds_is_refused_at_load():
+def test_a_drafter_with_bad_thresholds_is_refused_at_load(tmp_path):
     target_path, draft_path, _ = _fitted_pair()
-    bad = os.path.join(tempfile.mkdtemp(prefix="dsparkjax-width-"), "draft.gguf")
+    bad = str(tmp_path / "draft.gguf")
     copy_with_metadata(draft_path, bad, {SURVIVAL_THRESHOLDS_KEY: ([0.5, 1.5], GGUFValueType.FLOAT32)})
     with pytest.raises(GGUFContractError, match=SURVIVAL_THRESHOLDS_KEY):
         load_drafter(bad, load_target(target_path))
