@@ -23,8 +23,11 @@ def _abstract(x: Any) -> jax.ShapeDtypeStruct:
 class AotFunction:
     """`jax.jit(fn)` whose executables can be compiled ahead of time (`compile`) for given argument shapes.
 
-    Calls go through jit's own C++ dispatch (microseconds); an executable compiled by `compile` sits in
-    JAX's compilation cache, so the first call with those shapes neither traces nor compiles again.
+    A call runs the executable `compile` made for its static arguments and shapes (through its C++ dispatch,
+    microseconds), else goes through jit, which compiles what it has not seen. Jit alone would not do: it keys
+    its executables on whether each array is committed to a device as well as on its type, and through the
+    exported path (below) every output is committed, so a program fed its own outputs (a decode loop's state)
+    compiled again at its first call; an executable takes committed and uncommitted arrays alike.
     `compiler_options` are XLA options of its executables (`KernelPolicy.compiler_options`).
     Arguments, positional or keyword, may be arrays or `jax.ShapeDtypeStruct`s when compiling, static ones
     (`static_argnums` / `static_argnames`) their hashable values; donated arguments stay donated.
@@ -46,6 +49,7 @@ class AotFunction:
         self._static = frozenset(static_argnums)
         self._static_names = frozenset(static_argnames)
         self._compiled: dict[Any, Any] = {}
+        self._by_static: dict[Any, list[Any]] = {}  # static arguments -> their executables, last used first
 
     def compile(self, *args: Any, **kwargs: Any) -> Any:
         """The executable for arguments shaped like `args` and `kwargs` (compiled on first request)."""
@@ -59,6 +63,7 @@ class AotFunction:
         key = (treedef, tuple((x.shape, x.dtype) for x in leaves), static)
         if key not in self._compiled:
             self._compiled[key] = self.lower(*args, **kwargs).compile()
+            self._by_static.setdefault(static, []).append(self._compiled[key])
         return self._compiled[key]
 
     def lower(self, *args: Any, **kwargs: Any) -> Any:
@@ -67,11 +72,25 @@ class AotFunction:
         return self._jit.lower(*args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        executables = self._by_static.get((tuple(a for i, a in enumerate(args) if i in self._static),
+                                           tuple(sorted((k, v) for k, v in kwargs.items() if k in self._static_names))))
+        if executables:
+            dynamic = [a for i, a in enumerate(args) if i not in self._static]
+            named = {k: v for k, v in kwargs.items() if k not in self._static_names}
+            for n, executable in enumerate(executables):
+                try:
+                    out = executable(*dynamic, **named)
+                except TypeError:  # compiled for other shapes (another batch's): it checks before running
+                    continue
+                if n:
+                    executables.insert(0, executables.pop(n))
+                return out
         return self._jit(*args, **kwargs)
 
     def clear(self) -> None:
         """Forget the executables, so `compile` compiles again (after `jax.clear_caches()` dropped JAX's)."""
         self._compiled.clear()
+        self._by_static.clear()
 
 
 def _through_exported(fn: Callable[..., Any], cache_name: str, compiler_options: dict[str, Any] | None

@@ -234,13 +234,12 @@ def test_a_second_process_loads_the_exported_step_and_its_executable(tmp_path):
     assert warm["exported_written"] == 0 and warm["compiled_written"] == 0
 
 
-@pytest.mark.parametrize("cached", [False, pytest.param(True, marks=pytest.mark.xfail(strict=True, reason=(
-    "the exported path's outputs are committed to the device (call_exported), and a committed argument gives jit "
-    "another signature than the AOT compile's: every program compiles again at its first call on its own "
-    "outputs, so generate compiles after its clock starts whenever the cache is on (the stop note of 2026-12-08)")))])
+@pytest.mark.parametrize("cached", [False, True])
 def test_a_program_takes_its_own_outputs_without_compiling_again(tmp_path, cached):
     """`AotFunction.compile`, then calls on fresh arrays and on the program's own outputs (what a decode loop
-    feeds back): no call compiles, with the compilation cache off and on."""
+    feeds back): no call compiles, with the compilation cache off and on. Through the exported path (cache on)
+    the outputs are committed to the device, which jit keyed as another signature: every program compiled again
+    at its first call on its own outputs, so generate compiled after its clock started."""
     compiles = []
 
     def on_event(event: str, duration: float, **kwargs) -> None:
