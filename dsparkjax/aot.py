@@ -58,13 +58,17 @@ class AotFunction:
         dynamic = ([a for i, a in enumerate(args) if i not in self._static],
                    {k: v for k, v in kwargs.items() if k not in self._static_names})
         leaves, treedef = jax.tree.flatten(dynamic)
-        static = (tuple(a for i, a in enumerate(args) if i in self._static),
-                  tuple(sorted((k, v) for k, v in kwargs.items() if k in self._static_names)))
+        static = self._static_key(args, kwargs)
         key = (treedef, tuple((x.shape, x.dtype) for x in leaves), static)
         if key not in self._compiled:
             self._compiled[key] = self.lower(*args, **kwargs).compile()
             self._by_static.setdefault(static, []).append(self._compiled[key])
         return self._compiled[key]
+
+    def _static_key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        """The static arguments' values: what, beside shapes, tells one executable from another."""
+        return (tuple(a for i, a in enumerate(args) if i in self._static),
+                tuple(sorted((k, v) for k, v in kwargs.items() if k in self._static_names)))
 
     def lower(self, *args: Any, **kwargs: Any) -> Any:
         """The program traced and lowered for arguments (arrays or `jax.ShapeDtypeStruct`s) like `args` and
@@ -72,8 +76,7 @@ class AotFunction:
         return self._jit.lower(*args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        executables = self._by_static.get((tuple(a for i, a in enumerate(args) if i in self._static),
-                                           tuple(sorted((k, v) for k, v in kwargs.items() if k in self._static_names))))
+        executables = self._by_static.get(self._static_key(args, kwargs))
         if executables:
             dynamic = [a for i, a in enumerate(args) if i not in self._static]
             named = {k: v for k, v in kwargs.items() if k not in self._static_names}
