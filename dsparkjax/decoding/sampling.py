@@ -8,8 +8,9 @@ exact verifier and the lossless verifier all warp logits with the one `warp` bel
 
 Warping order (vLLM's, `spec_sampling.md` §2): temperature → top-k → top-p → min-p.
 - temperature T: (logits − max) / T, the same distribution as logits / T, kept finite for any T float32 holds
-  (5e-38 would overflow 10.0 / T to inf, and a tie of infinities is no longer the argmax). T = 0 is greedy: the warped logits are 0 at the argmax (lowest index on ties,
-  as `jnp.argmax`) and −inf elsewhere, so the distribution is one-hot and every rule reduces to greedy;
+  (5e-38 would overflow 10.0 / T to inf, and a tie of infinities is no longer the argmax). T = 0 is greedy:
+  the warped logits are 0 at the argmax (lowest index on ties, as `jnp.argmax`) and −inf elsewhere, so the
+  distribution is one-hot and every rule reduces to greedy;
 - top_k k > 0: keep the logits >= the k-th largest (ties at the boundary are all kept);
 - top_p p < 1: of what top-k kept, keep the most probable tokens, in order, until the kept mass reaches p
   (the smallest such set, plus every token tied with its last);
